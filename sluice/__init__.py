@@ -1,0 +1,3 @@
+"""Sluice: Kubernetes-native LLM serving (engine, gateway, operator)."""
+
+__version__ = "0.1.0"
