@@ -1,0 +1,138 @@
+"""Redis key layout of Sluice's shared prefix index and pod load table.
+
+Leaf module (imports only `redis` lazily through the client it is given): the
+gateway writes these keys, the operator reads them and purges pods it deletes.
+All keys live under `sluice:`. A pod id is the engine's base URL `host:port`.
+
+Layout (`K` = a gateway request key: 16 hex chars of a chained 64-bit hash over
+token blocks, seeded by model name and block size, so it never depends on an
+engine's hash seed):
+
+- `sluice:blk:{K}`          SET   pods whose engine reported the block (events).
+- `sluice:spec:{K}`         ZSET  pod -> expiry (ms since epoch): speculative
+                                  entries written by routing decisions; the key
+                                  itself also expires (PEXPIRE = the entry TTL).
+- `sluice:pod:{pod}:keys`   SET   every K the pod holds (so `AllBlocksCleared`
+                                  or a vanished pod can clear its entries).
+- `sluice:pod:{pod}:ehash`  HASH  engine block hash (`int` as decimal, `bytes`
+                                  as hex) -> K ("dual keys").
+- `sluice:pod:{pod}:seq`    STR   last applied event-batch sequence number.
+- `sluice:pod:{pod}:meta`   HASH  `block_size`, `model`, `pool`, `namespace`,
+                                  `topic` of the pod's engine.
+- `sluice:load:{pod}`       HASH  `waiting`, `running` (ints), `kv_usage` (0-1),
+                                  `ts_ms`; short TTL: an expired entry = unknown.
+- `sluice:pool:{namespace}/{pool}:pods`  SET  pod ids gateways route to.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+PREFIX = "sluice:"
+LOAD_FIELDS = ("waiting", "running", "kv_usage", "ts_ms")
+_SCAN_BATCH = 1000
+
+
+def block_key(key: str) -> str:
+    """SET of pods that hold request key `key` (confirmed by engine events)."""
+    return f"{PREFIX}blk:{key}"
+
+
+def spec_key(key: str) -> str:
+    """ZSET pod -> expiry ms: speculative (routing-decision) holders of `key`."""
+    return f"{PREFIX}spec:{key}"
+
+
+def pod_keys_key(pod: str) -> str:
+    """SET of request keys held by `pod`."""
+    return f"{PREFIX}pod:{pod}:keys"
+
+
+def pod_hashes_key(pod: str) -> str:
+    """HASH engine block hash -> request key, for `pod`."""
+    return f"{PREFIX}pod:{pod}:ehash"
+
+
+def pod_seq_key(pod: str) -> str:
+    """Last KV-event batch sequence number applied to the index for `pod`."""
+    return f"{PREFIX}pod:{pod}:seq"
+
+
+def pod_meta_key(pod: str) -> str:
+    """HASH block_size / model / pool / namespace / topic of `pod`."""
+    return f"{PREFIX}pod:{pod}:meta"
+
+
+def load_key(pod: str) -> str:
+    """HASH waiting / running / kv_usage / ts_ms of `pod`, with a short TTL."""
+    return f"{PREFIX}load:{pod}"
+
+
+def pool_pods_key(namespace: str, pool: str) -> str:
+    """SET of pod ids that gateways currently route to in `namespace/pool`."""
+    assert "/" not in namespace, namespace
+    return f"{PREFIX}pool:{namespace}/{pool}:pods"
+
+
+def engine_hash_field(block_hash: bytes | int) -> str:
+    """Field name of an engine block hash in `pod_hashes_key` (int: decimal, bytes: hex)."""
+    if isinstance(block_hash, bytes):
+        return block_hash.hex()
+    assert isinstance(block_hash, int), type(block_hash)
+    return str(block_hash)
+
+
+def parse_load(fields: dict[Any, Any]) -> dict[str, float] | None:
+    """Decode a `load_key` HASH (bytes or str) into floats; None if empty/partial."""
+    if not fields:
+        return None
+    out: dict[str, float] = {}
+    for name in LOAD_FIELDS:
+        raw = fields.get(name, fields.get(name.encode()))
+        if raw is None:
+            return None
+        out[name] = float(raw)
+    return out
+
+
+def _pod_key_batches(client: Any, pod: str) -> Iterable[list[Any]]:
+    cursor = 0
+    while True:
+        cursor, keys = client.sscan(pod_keys_key(pod), cursor, count=_SCAN_BATCH)
+        if keys:
+            yield list(keys)
+        if int(cursor) == 0:
+            return
+
+
+def purge_pods(redis_client: Any, pods: list[str]) -> int:
+    """Remove every index and load entry of `pods` from Redis.
+
+    Removes each pod from the holders of every key it held (confirmed and
+    speculative), deletes its per-pod keys, its load entry, and its membership
+    of the pool set named in its meta. Works in SSCAN batches so a pod with
+    millions of keys never blocks Redis. Idempotent. Returns the number of
+    request keys the pods held. `redis_client` is a sync `redis.Redis`.
+    """
+    total = 0
+    for pod in pods:
+        meta = redis_client.hgetall(pod_meta_key(pod)) or {}
+        for keys in _pod_key_batches(redis_client, pod):
+            pipe = redis_client.pipeline(transaction=False)
+            for k in keys:
+                k = k.decode() if isinstance(k, bytes) else k
+                pipe.srem(block_key(k), pod)
+                pipe.zrem(spec_key(k), pod)
+            pipe.execute()
+            total += len(keys)
+        ns = meta.get(b"namespace", meta.get("namespace"))
+        pool = meta.get(b"pool", meta.get("pool"))
+        pipe = redis_client.pipeline(transaction=False)
+        if ns is not None and pool is not None:
+            ns = ns.decode() if isinstance(ns, bytes) else ns
+            pool = pool.decode() if isinstance(pool, bytes) else pool
+            pipe.srem(pool_pods_key(ns, pool), pod)
+        pipe.delete(pod_keys_key(pod), pod_hashes_key(pod), pod_seq_key(pod),
+                    pod_meta_key(pod), load_key(pod))
+        pipe.execute()
+    return total

