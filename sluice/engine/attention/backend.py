@@ -1,0 +1,48 @@
+"""The attention-backend plug point.
+
+A step's tokens are one flat, variable-length batch: sequence i owns query rows
+`query_start_loc[i]:query_start_loc[i+1]` and, after this step, `seq_lens[i]`
+tokens of context whose K/V live in the paged cache at the blocks listed in
+`block_tables[i]`. The new tokens' K/V are written to `slot_mapping`
+(slot = block_id * block_size + offset) before attention reads them, so a
+prefill chunk attends causally to its cached prefix and to itself, and a decode
+attends to everything before it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32, context length incl. this step's tokens
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded
+    max_query_len: int
+    max_seq_len: int
+    # Host copies for backends that loop in Python (the CPU reference).
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionBackend(ABC):
+    """Paged attention for one layer; `kv_cache` is [2, num_blocks, block_size, kv_heads, head_dim]."""
+
+    @abstractmethod
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+        """Store this step's keys/values ([num_tokens, kv_heads, head_dim]) at their slots."""
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        """q: [num_tokens, heads, head_dim] -> output of the same shape (causal, GQA)."""

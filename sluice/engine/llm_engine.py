@@ -1,0 +1,147 @@
+"""The synchronous engine: requests in, one scheduled + executed step at a time, outputs out."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from sluice.engine.attention.torch_backend import TorchAttentionBackend
+from sluice.engine.config import EngineConfig
+from sluice.engine.kv_cache_manager import KVCacheManager
+from sluice.engine.loader import load_model
+from sluice.engine.metrics import EngineMetrics
+from sluice.engine.model_runner import ModelRunner, num_kv_blocks
+from sluice.engine.output_processor import OutputState
+from sluice.engine.outputs import RequestOutput
+from sluice.engine.request import Request
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.scheduler import Scheduler
+
+log = logging.getLogger("sluice.engine")
+
+
+class PromptTooLongError(ValueError):
+    """The prompt leaves no room for output within the context / KV pool."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    # auto: bfloat16 on GPUs; float32 on CPU, where it measured fastest (docs/benchmarks.md)
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer=None, record_kv_events: bool = False):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        torch.manual_seed(config.seed)
+        self.model = load_model(config.model, config.load_format, TorchAttentionBackend(),
+                                self.dtype, self.device, config.seed)
+        mcfg = self.model.config
+        cache = config.cache
+        num_blocks = num_kv_blocks(mcfg, cache, self.dtype, self.device)
+        limit = config.scheduler.max_model_len or mcfg.max_position_embeddings
+        self.max_model_len = min(limit, num_blocks * cache.block_size)
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
+                                 record_kv_events)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.runner = ModelRunner(self.model, num_blocks, cache.block_size, self.device, self.dtype)
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(
+            tokenizer.eos_token_ids if tokenizer is not None else mcfg.eos_token_ids)
+        self.metrics = EngineMetrics(config.served_model_name, cache.block_size, num_blocks,
+                                     cache.enable_prefix_caching)
+        self.requests: dict[str, OutputState] = {}
+        log.info("KV cache: %d blocks of %d tokens (%s, %s); max_model_len %d", num_blocks,
+                 cache.block_size, self.dtype, self.device, self.max_model_len)
+
+    # -- requests -------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+        """Queue a request; raises ValueError (PromptTooLongError) for invalid input."""
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt has {n} tokens, which leaves no room for output.")
+        vocab = self.model.config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, cache_salt,
+                      arrival_time)
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        detok = None
+        if self.tokenizer is not None:
+            from sluice.tokenizer import IncrementalDetokenizer
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
+        self.requests[request_id] = OutputState(req, detok)
+        self.scheduler.add(req)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output if it was live."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        self.scheduler.finish(state.req)
+        state.req.finish("abort")
+        self.metrics.on_finished(state.req, time.time())
+        return state.make_output([], None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        if sched.scheduled:
+            sampling = [r for r, n in sched.scheduled if r.num_computed_tokens + n == r.num_tokens]
+            tables = [self.kv.block_table(r.request_id) for r, _ in sched.scheduled]
+            result = self.runner.execute(sched.scheduled, tables, sampling)
+            self.scheduler.update_after_step(sched)
+            now = time.time()
+            for i, req in enumerate(sampling):
+                state = self.requests[req.request_id]
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                state.append_token(result.token_ids[i], self.max_model_len)
+                self.metrics.on_token(req, now)
+                lp = result.logprobs[i]
+                outputs.append(state.make_output([result.token_ids[i]], None if lp is None else [lp]))
+                if req.is_finished:
+                    self.scheduler.finish(req)
+                    del self.requests[req.request_id]
+                    self.metrics.on_finished(req, now)
+        self.metrics.on_step(len(self.scheduler.running), len(self.scheduler.waiting),
+                             self.kv.usage, len(sched.preempted), sched.num_prefix_queries,
+                             sched.num_prefix_hits)
+        return outputs
+
+    # -- offline convenience ----------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+                 ) -> list[list[int]]:
+        """Run prompts to completion; returns each request's output token ids in order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(rid, prompt, p)
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                results[out.request_id] += out.new_token_ids
+        return [results[rid] for rid in ids]

@@ -1,0 +1,74 @@
+"""Per-request output handling: stop conditions, incremental text, held-back stop prefixes."""
+
+from __future__ import annotations
+
+from sluice.engine.outputs import RequestOutput, TokenLogprob
+from sluice.engine.request import Request
+
+
+class OutputState:
+    """Detokenized text of one request and how much of it has been handed out.
+
+    While a request runs, the last (longest stop string - 1) characters are held
+    back: they might be the start of a stop string that must not be shown.
+    """
+
+    def __init__(self, req: Request, detokenizer):
+        self.req = req
+        self.detokenizer = detokenizer  # None: token ids only (no tokenizer)
+        self.text = ""
+        self.num_sent_chars = 0
+        self.max_stop_len = max((len(s) for s in req.params.stop), default=0)
+
+    def append_token(self, token: int, max_model_len: int) -> None:
+        """Record a sampled token and decide whether the request is finished."""
+        req, p = self.req, self.req.params
+        req.token_ids.append(token)
+        if token in p.stop_token_ids:
+            req.finish("stop", token)
+            return
+        if token in req.eos_token_ids and not p.ignore_eos:
+            req.finish("stop")
+            return
+        if self.detokenizer is not None:
+            before = len(self.text)
+            self.text += self.detokenizer.add_token(token)
+            if p.stop and self._check_stop_strings(before):
+                return
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= max_model_len:
+            req.finish("length")
+
+    def _check_stop_strings(self, before: int) -> bool:
+        p = self.req.params
+        search_from = max(0, before - self.max_stop_len + 1)
+        best = None
+        for stop in p.stop:
+            idx = self.text.find(stop, search_from)
+            if idx >= 0 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return False
+        idx, stop = best
+        self.text = self.text[: idx + (len(stop) if p.include_stop_str_in_output else 0)]
+        self.req.finish("stop", stop)
+        return True
+
+    def make_output(self, new_tokens: list[int], logprobs: list[TokenLogprob] | None) -> RequestOutput:
+        req = self.req
+        end = len(self.text)
+        if not req.is_finished and self.max_stop_len:
+            end = max(self.num_sent_chars, end - self.max_stop_len + 1)
+        delta = self.text[self.num_sent_chars:end]
+        self.num_sent_chars = end
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new_tokens,
+            new_text=delta,
+            finished=req.is_finished,
+            finish_reason=req.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            new_logprobs=logprobs,
+            stop_reason=req.stop_reason,
+        )

@@ -1,0 +1,109 @@
+"""Batched token sampling on the model's device.
+
+Order per step (as vLLM): logprobs of the raw model distribution; repetition,
+frequency and presence penalties; greedy rows take the argmax; other rows are
+scaled by temperature, filtered by top-k, top-p and min-p, and sampled with the
+exponential-race trick (argmax p / q, q ~ Exp(1)), where q comes from the
+request's own generator when it has a seed, so a seeded request samples the
+same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sluice.engine.outputs import TokenLogprob
+from sluice.engine.request import Request
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
+    """logits: [len(reqs), vocab] float32, one row per request that samples this step."""
+    assert logits.shape[0] == len(reqs)
+    device, vocab = logits.device, logits.shape[1]
+    want_logprobs = [r.params.logprobs for r in reqs]
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in want_logprobs) else None
+    logits = _apply_penalties(logits, reqs)
+
+    temps = torch.tensor([r.params.temperature for r in reqs], device=device)
+    greedy = temps < 1e-5
+    tokens = logits.argmax(dim=-1)
+    if not all(r.params.greedy for r in reqs):  # decided on the host: no device sync
+        scaled = logits / torch.where(greedy, 1.0, temps).unsqueeze(1)
+        scaled = _filter(scaled, reqs)
+        probs = torch.softmax(scaled, dim=-1)
+        q = torch.empty_like(probs)
+        for i, r in enumerate(reqs):
+            if r.params.greedy:
+                q[i].fill_(1.0)
+            elif r.generator is not None:
+                q[i] = torch.empty(vocab, device=device).exponential_(generator=r.generator)
+            else:
+                q[i].exponential_()
+        tokens = torch.where(greedy, tokens, (probs / q).argmax(dim=-1))
+
+    token_list = tokens.tolist()
+    logprobs: list[TokenLogprob | None] = [None] * len(reqs)
+    if raw_logprobs is not None:
+        k = max(n or 0 for n in want_logprobs)
+        top_vals, top_ids = raw_logprobs.topk(k, dim=-1) if k else (None, None)
+        chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        for i, n in enumerate(want_logprobs):
+            if n is None:
+                continue
+            top = ()
+            if n:
+                top = tuple(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist()))
+            logprobs[i] = TokenLogprob(token_list[i], chosen[i], top)
+    return SampleResult(token_list, logprobs)
+
+
+def _apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    rows = [i for i, r in enumerate(reqs)
+            if r.params.repetition_penalty != 1.0 or r.params.presence_penalty
+            or r.params.frequency_penalty]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    vocab, device = logits.shape[1], logits.device
+    for i in rows:
+        p = reqs[i].params
+        out_ids = torch.tensor(reqs[i].output_token_ids, dtype=torch.long, device=device)
+        counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(logits.dtype)
+        if p.repetition_penalty != 1.0:
+            seen = counts > 0
+            prompt = torch.tensor(reqs[i].prompt_token_ids, dtype=torch.long, device=device)
+            seen[prompt.clamp(max=vocab - 1)] = True
+            row = logits[i]
+            penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            logits[i] = torch.where(seen, penalized, row)
+        logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _filter(scaled: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """Mask logits outside top-k, outside the top-p nucleus, or below min_p * max prob."""
+    vocab, device = scaled.shape[1], scaled.device
+    top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in reqs], device=device)
+    top_p = torch.tensor([r.params.top_p for r in reqs], device=device)
+    min_p = torch.tensor([r.params.min_p for r in reqs], device=device)
+    if any(0 < r.params.top_k < vocab or r.params.top_p < 1.0 for r in reqs):
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=device).unsqueeze(0)
+        drop = ranks >= top_k.unsqueeze(1)
+        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop |= (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
+        scaled = scaled.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    if any(r.params.min_p > 0 for r in reqs):
+        probs = torch.softmax(scaled, dim=-1)
+        threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        scaled = scaled.masked_fill(probs < threshold, float("-inf"))
+    return scaled

@@ -1,0 +1,119 @@
+"""Iteration-level scheduler: continuous batching with chunked prefill and preemption."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from sluice.engine.config import SchedulerConfig
+from sluice.engine.kv_cache_manager import KVCacheManager
+from sluice.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """Requests to run this step, each with how many of its tokens to compute."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_prefix_queries: int = 0  # tokens looked up in the prefix cache (first admissions)
+    num_prefix_hits: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions_total = 0
+
+    def add(self, req: Request) -> None:
+        assert req.num_tokens < self.max_model_len, "caller validates prompt length"
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        # Policy, one step:
+        # 1. Running requests first, oldest first: each gets the tokens it still needs
+        #    (1 for a decode, the rest of its prompt for a chunked prefill), capped by
+        #    what is left of the step's token budget.
+        # 2. If the KV pool cannot cover a running request, preempt the newest running
+        #    request (free its blocks; it goes back to the front of the waiting queue and
+        #    recomputes later, usually hitting the prefix cache) until it fits.
+        # 3. Then admit waiting requests in arrival order while budget, max_num_seqs and
+        #    blocks allow (none after a preemption in this step): take their cached prefix
+        #    blocks, and chunk the rest of the prompt to the remaining budget.
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            assert num_new > 0, "a running request always has a token to compute"
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append((req, num_new))
+                budget -= num_new
+                i += 1
+        while (self.waiting and budget > 0 and not out.preempted
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            hits = self.kv.get_computed_blocks(req)
+            num_hit_tokens = len(hits) * self.kv.block_size
+            num_new = min(req.num_tokens - num_hit_tokens, budget)
+            if not self.kv.allocate_slots(req, num_new, hits):
+                break
+            self.waiting.popleft()
+            if req.num_cached_tokens < 0:  # first admission: count prefix-cache stats
+                req.num_cached_tokens = num_hit_tokens
+                out.num_prefix_queries += req.num_tokens
+                out.num_prefix_hits += num_hit_tokens
+            req.num_computed_tokens = num_hit_tokens
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.time()
+            self.running.append(req)
+            out.scheduled.append((req, num_new))
+            budget -= num_new
+        assert budget >= 0 and len(self.running) <= self.config.max_num_seqs
+        return out
+
+    def update_after_step(self, out: SchedulerOutput) -> list[Request]:
+        """Advance num_computed_tokens; return the requests that must sample a token now."""
+        sampling = []
+        for req, num_new in out.scheduled:
+            req.num_computed_tokens += num_new
+            assert req.num_computed_tokens <= req.num_tokens
+            if req.num_computed_tokens == req.num_tokens:
+                sampling.append(req)
+        return sampling
+
+    def finish(self, req: Request) -> None:
+        """Remove a finished or aborted request wherever it is and free its blocks."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(req)

@@ -1,0 +1,17 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """family -> folder of a tiny random HF model (llama, qwen2, qwen3)."""
+    from hf_models import FAMILIES, save_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {f: save_tiny_model(f, root / f) for f in FAMILIES}
