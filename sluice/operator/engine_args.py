@@ -1,0 +1,108 @@
+"""Engine command lines: the flags of `sluice engine` (docs/contracts.md) or `vllm serve`.
+
+Both engines publish KV events on 5557 (replay on 5558) with the llm-d topic
+`kv@<pod-ip>:8000@<model>`, and serve `/health` and `/metrics` on 8000. `$(POD_IP)`
+is expanded by the kubelet from the container's env.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+
+from sluice.operator.labels import HTTP_PORT, KV_EVENTS_PORT, KV_REPLAY_PORT
+from sluice.operator.spec import HuggingFaceSource, ImageSource, PoolSpec, PvcSource
+
+MODEL_CACHE_DIR = "/model-cache"
+PVC_MOUNT_DIR = "/models"
+HF_HOME = f"{MODEL_CACHE_DIR}/hf"
+
+
+def kv_topic(model_name: str) -> str:
+    return f"kv@$(POD_IP):{HTTP_PORT}@{model_name}"
+
+
+def hf_download_dir(source: HuggingFaceSource) -> str:
+    revision = source.revision or "main"
+    return f"{MODEL_CACHE_DIR}/models/{source.repo.replace('/', '--')}@{revision}"
+
+
+def model_argument(pool: PoolSpec) -> str:
+    """What `--model` (sluice) or the positional model (vllm) is."""
+    src = pool.source
+    if src is None:
+        return "default"
+    if isinstance(src, PvcSource):
+        return posixpath.join(PVC_MOUNT_DIR, src.path) if src.path else PVC_MOUNT_DIR
+    if isinstance(src, ImageSource):
+        return src.path
+    assert isinstance(src, HuggingFaceSource)
+    # vLLM downloads by itself into HF_HOME; the sluice engine loads a folder that the
+    # `fetch-model` init container downloaded.
+    return src.repo if pool.engine.kind == "vllm" else hf_download_dir(src)
+
+
+def sluice_args(pool: PoolSpec) -> list[str]:
+    e = pool.engine
+    args = [
+        "engine", "--model", model_argument(pool), "--served-model-name", pool.model_name,
+        "--host", "0.0.0.0", "--port", str(HTTP_PORT), "--dtype", e.dtype,
+        "--block-size", str(e.block_size), "--max-num-seqs", str(e.max_num_seqs),
+        "--max-num-batched-tokens", str(e.max_num_batched_tokens),
+        "--kv-events-endpoint", f"tcp://*:{KV_EVENTS_PORT}",
+        "--kv-events-replay-endpoint", f"tcp://*:{KV_REPLAY_PORT}",
+        "--kv-events-topic", kv_topic(pool.model_name),
+    ]
+    if e.max_model_len:
+        args += ["--max-model-len", str(e.max_model_len)]
+    if e.gpu_memory_utilization is not None:
+        args += ["--gpu-memory-utilization", str(e.gpu_memory_utilization)]
+    if e.kv_cache_memory:
+        args += ["--kv-cache-memory", e.kv_cache_memory]
+    if not e.prefix_caching:
+        args.append("--no-prefix-caching")
+    return args + list(e.args)
+
+
+def vllm_args(pool: PoolSpec) -> list[str]:
+    e = pool.engine
+    kv_events = {
+        "enable_kv_cache_events": True, "publisher": "zmq",
+        "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
+        "replay_endpoint": f"tcp://*:{KV_REPLAY_PORT}",
+        "topic": kv_topic(pool.model_name),
+    }
+    args = [
+        model_argument(pool), "--served-model-name", pool.model_name,
+        "--host", "0.0.0.0", "--port", str(HTTP_PORT), "--dtype", e.dtype,
+        "--block-size", str(e.block_size), "--max-num-seqs", str(e.max_num_seqs),
+        "--max-num-batched-tokens", str(e.max_num_batched_tokens),
+        "--enable-prefix-caching" if e.prefix_caching else "--no-enable-prefix-caching",
+        "--prefix-caching-hash-algo", "sha256_cbor",
+        "--kv-events-config", json.dumps(kv_events, separators=(",", ":")),
+    ]
+    if isinstance(pool.source, HuggingFaceSource) and pool.source.revision:
+        args += ["--revision", pool.source.revision]
+    if e.max_model_len:
+        args += ["--max-model-len", str(e.max_model_len)]
+    if e.gpu_memory_utilization is not None:
+        args += ["--gpu-memory-utilization", str(e.gpu_memory_utilization)]
+    return args + list(e.args)
+
+
+def engine_command(pool: PoolSpec) -> tuple[list[str], list[str]]:
+    """(command, args) of the engine container."""
+    if pool.engine.kind == "vllm":
+        return ["vllm", "serve"], vllm_args(pool)
+    return ["sluice"], sluice_args(pool)
+
+
+def fetch_model_script() -> str:
+    """Init container program: download the HF snapshot (huggingface_hub ships with
+    `tokenizers`, which every Sluice image has). Reads its inputs from env."""
+    return (
+        "import os; from huggingface_hub import snapshot_download; "
+        "snapshot_download(os.environ['SLUICE_HF_REPO'], "
+        "revision=os.environ.get('SLUICE_HF_REVISION') or None, "
+        "local_dir=os.environ['SLUICE_MODEL_DIR'])"
+    )

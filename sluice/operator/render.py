@@ -1,0 +1,202 @@
+"""Pure rendering: an InferencePool spec → the desired child manifests.
+
+`render_pool(pool, config)` returns, in apply order, the headless Service, then per
+role a Deployment and a PodDisruptionBudget. Every child carries the common labels,
+an ownerReference to the pool (so deleting the pool garbage-collects it) and a
+`sluice.dev/spec-hash` annotation (hash of the rendered object itself) for change
+detection. Same input → byte-identical output; no I/O.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from sluice.operator import engine_args, labels
+from sluice.operator.spec import HuggingFaceSource, PoolSpec, PvcSource, RoleSpec
+
+Manifest = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RenderConfig:
+    """Operator-wide rendering defaults (from `sluice operator` flags)."""
+
+    engine_image: str = "ghcr.io/sluice-dev/sluice-engine:0.1.0"
+    vllm_image: str = "vllm/vllm-openai:v0.11.0"
+    startup_timeout_s: int = 1800  # model download + load before liveness applies
+
+
+def child_name(pool: str, role: str) -> str:
+    return f"{pool}-{role}"
+
+
+def spec_hash(manifest: Manifest) -> str:
+    body = copy.deepcopy(manifest)
+    body.get("metadata", {}).get("annotations", {}).pop(labels.SPEC_HASH_ANNOTATION, None)
+    data = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _metadata(pool: PoolSpec, name: str, extra_labels: dict[str, str] | None = None) -> Manifest:
+    return {
+        "name": name, "namespace": pool.namespace,
+        "labels": {**labels.common_labels(pool.name), **(extra_labels or {})},
+        "annotations": {},
+        "ownerReferences": [labels.owner_reference(pool.name, pool.uid)],
+    }
+
+
+def _stamp(manifest: Manifest) -> Manifest:
+    manifest["metadata"]["annotations"][labels.SPEC_HASH_ANNOTATION] = spec_hash(manifest)
+    return manifest
+
+
+def render_service(pool: PoolSpec) -> Manifest:
+    return _stamp({
+        "apiVersion": "v1", "kind": "Service", "metadata": _metadata(pool, pool.name),
+        "spec": {
+            "clusterIP": "None", "publishNotReadyAddresses": False,
+            "selector": {labels.POOL: pool.name, labels.NAME: labels.ENGINE_NAME},
+            "ports": [{"name": n, "port": p, "targetPort": n, "protocol": "TCP"}
+                      for n, p in labels.PORTS],
+        },
+    })
+
+
+def render_pdb(pool: PoolSpec, role: RoleSpec) -> Manifest:
+    return _stamp({
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+        "metadata": _metadata(pool, child_name(pool.name, role.name), {labels.ROLE: role.name}),
+        "spec": {"maxUnavailable": 1,
+                 "selector": {"matchLabels": labels.selector_labels(pool.name, role.name)}},
+    })
+
+
+def _env(pool: PoolSpec) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "HF_HOME", "value": engine_args.HF_HOME},
+    ]
+    if isinstance(pool.source, HuggingFaceSource) and pool.source.token_secret:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": pool.source.token_secret, "key": pool.source.token_key}}})
+    return env + [dict(e) for e in pool.engine.env]
+
+
+def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
+            "timeoutSeconds": 5, "failureThreshold": failures}
+
+
+def _volumes(pool: PoolSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    cache: dict[str, Any] = (
+        {"persistentVolumeClaim": {"claimName": pool.cache_claim}} if pool.cache_claim
+        else {"emptyDir": {"sizeLimit": pool.cache_size_limit}})
+    volumes = [{"name": "model-cache", **cache}]
+    mounts = [{"name": "model-cache", "mountPath": engine_args.MODEL_CACHE_DIR}]
+    if isinstance(pool.source, PvcSource):
+        volumes.append({"name": "models", "persistentVolumeClaim": {
+            "claimName": pool.source.claim_name, "readOnly": True}})
+        mounts.append({"name": "models", "mountPath": engine_args.PVC_MOUNT_DIR,
+                       "readOnly": True})
+    if pool.engine.kind == "vllm":  # NCCL / torch IPC need a real /dev/shm
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    return volumes, mounts
+
+
+def _init_containers(pool: PoolSpec, image: str, mounts: list[dict[str, Any]]) -> list[Any]:
+    src = pool.source
+    if not isinstance(src, HuggingFaceSource) or pool.engine.kind == "vllm":
+        return []
+    env = _env(pool)[1:] + [
+        {"name": "SLUICE_HF_REPO", "value": src.repo},
+        {"name": "SLUICE_HF_REVISION", "value": src.revision or ""},
+        {"name": "SLUICE_MODEL_DIR", "value": engine_args.hf_download_dir(src)},
+    ]
+    return [{"name": "fetch-model", "image": image,
+             "command": ["python", "-c", engine_args.fetch_model_script()],
+             "env": env, "volumeMounts": mounts,
+             "securityContext": _container_security(pool)}]
+
+
+def _container_security(pool: PoolSpec) -> dict[str, Any]:
+    ctx: dict[str, Any] = {"allowPrivilegeEscalation": False,
+                           "capabilities": {"drop": ["ALL"]}}
+    if pool.engine.kind == "sluice":
+        ctx["runAsNonRoot"] = True
+    return ctx
+
+
+def render_pod_template(pool: PoolSpec, role: RoleSpec, config: RenderConfig) -> Manifest:
+    default = config.vllm_image if pool.engine.kind == "vllm" else config.engine_image
+    image = pool.engine.image or default
+    command, args = engine_args.engine_command(pool)
+    volumes, mounts = _volumes(pool)
+    container = {
+        "name": "engine", "image": image, "command": command, "args": args,
+        "env": _env(pool),
+        "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in labels.PORTS],
+        "resources": role.resources.to_manifest(),
+        "startupProbe": _probe("/health", 10, max(1, config.startup_timeout_s // 10)),
+        "readinessProbe": _probe("/health", 5, 3),
+        "livenessProbe": _probe("/health", 10, 6),
+        "volumeMounts": mounts,
+        "securityContext": _container_security(pool),
+    }
+    pod: dict[str, Any] = {
+        "containers": [container], "volumes": volumes,
+        "initContainers": _init_containers(pool, image, mounts),
+        "terminationGracePeriodSeconds": 60,
+        "enableServiceLinks": False,
+    }
+    if pool.engine.kind == "sluice":
+        pod["securityContext"] = {"runAsNonRoot": True, "runAsUser": 10001,
+                                  "runAsGroup": 10001, "fsGroup": 10001,
+                                  "seccompProfile": {"type": "RuntimeDefault"}}
+    optional = {
+        "nodeSelector": dict(pool.node_selector) or None,
+        "tolerations": [dict(t) for t in pool.tolerations] or None,
+        "affinity": dict(pool.affinity) if pool.affinity else None,
+        "priorityClassName": pool.priority_class_name,
+        "imagePullSecrets": [{"name": n} for n in pool.image_pull_secrets] or None,
+        "serviceAccountName": pool.service_account_name,
+    }
+    pod.update({k: v for k, v in optional.items() if v is not None})
+    if not pod["initContainers"]:
+        del pod["initContainers"]
+    return {
+        "metadata": {"labels": labels.pod_labels(pool.name, role.name),
+                     "annotations": {labels.MODEL_ANNOTATION: pool.model_name,
+                                     "prometheus.io/scrape": "true",
+                                     "prometheus.io/port": str(labels.HTTP_PORT),
+                                     "prometheus.io/path": "/metrics"}},
+        "spec": pod,
+    }
+
+
+def render_deployment(pool: PoolSpec, role: RoleSpec, config: RenderConfig) -> Manifest:
+    return _stamp({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": _metadata(pool, child_name(pool.name, role.name), {labels.ROLE: role.name}),
+        "spec": {
+            "replicas": role.replicas,
+            "selector": {"matchLabels": labels.selector_labels(pool.name, role.name)},
+            "strategy": {"type": "RollingUpdate",
+                         "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": render_pod_template(pool, role, config),
+        },
+    })
+
+
+def render_pool(pool: PoolSpec, config: RenderConfig = RenderConfig()) -> list[Manifest]:
+    """All desired children of a pool, in apply order (Service, then per role)."""
+    out = [render_service(pool)]
+    for role in pool.roles:
+        out.append(render_deployment(pool, role, config))
+        out.append(render_pdb(pool, role))
+    return out

@@ -1,0 +1,225 @@
+"""Typed, frozen view of an InferencePool: what the renderer and the autoscaler read.
+
+`PoolSpec.from_body(body)` accepts the object as the API server returns it. It applies
+the same defaults as the CRD schema (`crd_schema`), so it also works on objects that
+were never defaulted (unit tests, older stored versions), and raises `SpecError` with
+a user-facing message for what the schema cannot catch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+SERVE, PREFILL, DECODE = "serve", "prefill", "decode"
+
+
+class SpecError(ValueError):
+    """The spec cannot be rendered; the message is shown in the Degraded condition."""
+
+
+@dataclass(frozen=True)
+class HuggingFaceSource:
+    repo: str
+    revision: str | None = None
+    token_secret: str | None = None
+    token_key: str = "token"
+
+
+@dataclass(frozen=True)
+class PvcSource:
+    claim_name: str
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class ImageSource:
+    path: str
+
+
+ModelSource = HuggingFaceSource | PvcSource | ImageSource | None
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    enabled: bool = False
+    min_replicas: int = 1
+    max_replicas: int = 4
+    target_kv_cache_usage: float = 0.7
+    target_queue_depth: int = 8
+    scale_up_stabilization_s: int = 60
+    scale_down_stabilization_s: int = 300
+
+
+@dataclass(frozen=True)
+class Resources:
+    requests: tuple[tuple[str, str], ...] = ()
+    limits: tuple[tuple[str, str], ...] = ()
+
+    def to_manifest(self) -> dict[str, dict[str, str]]:
+        out: dict[str, dict[str, str]] = {}
+        limits = dict(self.limits)
+        requests = dict(self.requests)
+        for name, value in limits.items():  # extended resources: request must equal limit
+            if "/" in name:
+                requests.setdefault(name, value)
+        if requests:
+            out["requests"] = requests
+        if limits:
+            out["limits"] = limits
+        return out
+
+    @property
+    def gpus(self) -> int:
+        return int(dict(self.limits).get("nvidia.com/gpu", dict(self.requests).get(
+            "nvidia.com/gpu", "0")))
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """One Deployment's worth of engines: `serve` for a plain pool, else prefill/decode."""
+
+    name: str
+    replicas: int
+    resources: Resources
+    autoscaling: AutoscalingSpec
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    kind: str = "sluice"
+    image: str | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    gpu_memory_utilization: float | None = None
+    kv_cache_memory: str | None = None
+    dtype: str = "auto"
+    prefix_caching: bool = True
+    args: tuple[str, ...] = ()
+    env: tuple[Mapping[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    model_name: str
+    source: ModelSource
+    engine: EngineSpec
+    roles: tuple[RoleSpec, ...]
+    disaggregated: bool
+    cache_size_limit: str = "20Gi"
+    cache_claim: str | None = None
+    node_selector: tuple[tuple[str, str], ...] = ()
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Mapping[str, Any] | None = None
+    priority_class_name: str | None = None
+    image_pull_secrets: tuple[str, ...] = ()
+    service_account_name: str | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> "PoolSpec":
+        meta = body.get("metadata") or {}
+        spec = body.get("spec") or {}
+        model = spec.get("model") or {}
+        if not model.get("name"):
+            raise SpecError("spec.model.name is required")
+        engine = _engine(spec.get("engine") or {})
+        source = _source(model.get("source"))
+        if source is None and engine.kind != "sluice":
+            raise SpecError("engine kind vllm needs spec.model.source")
+        roles_spec = spec.get("roles")
+        if (spec.get("replicas") is None) == (roles_spec is None):
+            raise SpecError("set exactly one of spec.replicas or spec.roles")
+        pool_resources = _resources(spec.get("resources"))
+        if roles_spec is None:
+            roles = (RoleSpec(SERVE, int(spec["replicas"]), pool_resources,
+                              _autoscaling(spec.get("autoscaling"))),)
+        else:
+            roles = tuple(_role(name, roles_spec.get(name), pool_resources)
+                          for name in (PREFILL, DECODE))
+        cache = spec.get("modelCache") or {}
+        return cls(
+            name=meta["name"], namespace=meta.get("namespace") or "default",
+            uid=meta.get("uid", ""), generation=int(meta.get("generation") or 0),
+            model_name=model["name"], source=source, engine=engine, roles=roles,
+            disaggregated=roles_spec is not None,
+            cache_size_limit=cache.get("sizeLimit", "20Gi"), cache_claim=cache.get("claimName"),
+            node_selector=tuple(sorted((spec.get("nodeSelector") or {}).items())),
+            tolerations=tuple(spec.get("tolerations") or ()),
+            affinity=spec.get("affinity"),
+            priority_class_name=spec.get("priorityClassName"),
+            image_pull_secrets=tuple(s["name"] for s in spec.get("imagePullSecrets") or ()),
+            service_account_name=spec.get("serviceAccountName"),
+            labels=dict(meta.get("labels") or {}),
+        )
+
+    def role(self, name: str) -> RoleSpec:
+        for role in self.roles:
+            if role.name == name:
+                return role
+        raise KeyError(name)
+
+
+def _engine(e: Mapping[str, Any]) -> EngineSpec:
+    return EngineSpec(
+        kind=e.get("kind", "sluice"), image=e.get("image") or None,
+        block_size=int(e.get("blockSize", 16)), max_num_seqs=int(e.get("maxNumSeqs", 256)),
+        max_num_batched_tokens=int(e.get("maxNumBatchedTokens", 2048)),
+        max_model_len=e.get("maxModelLen"),
+        gpu_memory_utilization=e.get("gpuMemoryUtilization"),
+        kv_cache_memory=e.get("kvCacheMemory"), dtype=e.get("dtype", "auto"),
+        prefix_caching=bool(e.get("prefixCaching", True)),
+        args=tuple(e.get("args") or ()), env=tuple(e.get("env") or ()),
+    )
+
+
+def _source(s: Mapping[str, Any] | None) -> ModelSource:
+    if not s:
+        return None
+    kinds = [k for k in ("huggingFace", "pvc", "image") if k in s]
+    if len(kinds) != 1:
+        raise SpecError("model.source must set exactly one of huggingFace, pvc, image")
+    if "huggingFace" in s:
+        hf = s["huggingFace"]
+        ref = hf.get("tokenSecretRef") or {}
+        return HuggingFaceSource(hf["repo"], hf.get("revision") or None, ref.get("name"),
+                                 ref.get("key", "token"))
+    if "pvc" in s:
+        return PvcSource(s["pvc"]["claimName"], s["pvc"].get("path", ""))
+    return ImageSource(s["image"]["path"])
+
+
+def _resources(r: Mapping[str, Any] | None) -> Resources:
+    r = r or {}
+    return Resources(
+        requests=tuple(sorted((k, str(v)) for k, v in (r.get("requests") or {}).items())),
+        limits=tuple(sorted((k, str(v)) for k, v in (r.get("limits") or {}).items())),
+    )
+
+
+def _autoscaling(a: Mapping[str, Any] | None) -> AutoscalingSpec:
+    a = a or {}
+    spec = AutoscalingSpec(
+        enabled=bool(a.get("enabled", False)),
+        min_replicas=int(a.get("minReplicas", 1)), max_replicas=int(a.get("maxReplicas", 4)),
+        target_kv_cache_usage=float(a.get("targetKVCacheUsage", 0.7)),
+        target_queue_depth=int(a.get("targetQueueDepth", 8)),
+        scale_up_stabilization_s=int(a.get("scaleUpStabilizationSeconds", 60)),
+        scale_down_stabilization_s=int(a.get("scaleDownStabilizationSeconds", 300)),
+    )
+    if spec.min_replicas > spec.max_replicas:
+        raise SpecError("autoscaling.minReplicas must be <= autoscaling.maxReplicas")
+    return spec
+
+
+def _role(name: str, r: Mapping[str, Any] | None, pool_resources: Resources) -> RoleSpec:
+    if r is None:
+        raise SpecError(f"spec.roles.{name} is required in a prefill/decode pool")
+    resources = _resources(r.get("resources")) if r.get("resources") else pool_resources
+    return RoleSpec(name, int(r.get("replicas", 1)), resources, _autoscaling(r.get("autoscaling")))

@@ -1,0 +1,164 @@
+"""Pure rendering: spec → desired children. No cluster, no I/O."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import yaml
+
+from sluice.operator import labels
+from sluice.operator.render import RenderConfig, render_pool, spec_hash
+from sluice.operator.spec import PoolSpec, SpecError
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _example(name: str) -> dict:
+    body = yaml.safe_load((ROOT / "charts/sluice/examples" / name).read_text())
+    body["metadata"]["uid"] = "uid-1"
+    return body
+
+
+def _by_kind(manifests: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for m in manifests:
+        out.setdefault(m["kind"], []).append(m)
+    return out
+
+
+def _container(deployment: dict) -> dict:
+    return deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_plain_pool_renders_service_deployment_pdb_with_contract_labels():
+    pool = PoolSpec.from_body(_example("pool-cpu.yaml"))
+    kinds = _by_kind(render_pool(pool))
+    assert sorted(kinds) == ["Deployment", "PodDisruptionBudget", "Service"]
+    (dep,) = kinds["Deployment"]
+    assert dep["metadata"]["name"] == "smollm2-serve"
+    pod_meta = dep["spec"]["template"]["metadata"]
+    assert pod_meta["labels"] == {
+        "app.kubernetes.io/name": "sluice-engine", "app.kubernetes.io/instance": "smollm2",
+        "app.kubernetes.io/managed-by": "sluice-operator", "sluice.dev/pool": "smollm2",
+        "sluice.dev/role": "serve"}
+    assert pod_meta["annotations"]["sluice.dev/model"] == "smollm2-135m-instruct"
+    # selector ⊂ pod labels, otherwise the API server rejects the Deployment
+    assert dep["spec"]["selector"]["matchLabels"].items() <= pod_meta["labels"].items()
+    ports = {p["name"]: p["containerPort"] for p in _container(dep)["ports"]}
+    assert ports == {"http": 8000, "kv-events": 5557, "kv-replay": 5558}
+    svc = kinds["Service"][0]
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["selector"].items() <= pod_meta["labels"].items()
+    for m in render_pool(pool):
+        assert m["metadata"]["ownerReferences"] == [{
+            "apiVersion": "sluice.dev/v1alpha1", "kind": "InferencePool", "name": "smollm2",
+            "uid": "uid-1", "controller": True, "blockOwnerDeletion": True}]
+        assert m["metadata"]["annotations"][labels.SPEC_HASH_ANNOTATION] == spec_hash(m)
+        assert m["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "sluice-operator"
+
+
+def test_sluice_engine_flags_follow_the_contract():
+    pool = PoolSpec.from_body(_example("pool-cpu.yaml"))
+    dep = _by_kind(render_pool(pool))["Deployment"][0]
+    c = _container(dep)
+    assert c["command"] == ["sluice"]
+    args = c["args"]
+    flag = {args[i]: args[i + 1] for i in range(1, len(args) - 1) if args[i].startswith("--")}
+    assert args[0] == "engine" and flag["--model"] == "default"
+    assert flag["--served-model-name"] == "smollm2-135m-instruct"
+    assert flag["--port"] == "8000" and flag["--host"] == "0.0.0.0"
+    assert flag["--kv-cache-memory"] == "512MiB" and flag["--max-num-seqs"] == "64"
+    assert flag["--kv-events-endpoint"] == "tcp://*:5557"
+    assert flag["--kv-events-replay-endpoint"] == "tcp://*:5558"
+    assert flag["--kv-events-topic"] == "kv@$(POD_IP):8000@smollm2-135m-instruct"
+    assert any(e["name"] == "POD_IP" for e in c["env"])
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert {"name": "model-cache", "emptyDir": {"sizeLimit": "20Gi"}} in pod["volumes"]
+    assert c["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"},
+                              "limits": {"memory": "4Gi"}}
+
+
+def test_vllm_pool_publishes_kv_events_and_requests_gpus():
+    pool = PoolSpec.from_body(_example("pool-vllm-gpu.yaml"))
+    kinds = _by_kind(render_pool(pool, RenderConfig(vllm_image="vllm/vllm-openai:v9")))
+    dep = kinds["Deployment"][0]
+    c = _container(dep)
+    assert c["image"] == "vllm/vllm-openai:v9"
+    assert c["command"] == ["vllm", "serve"]
+    args = c["args"]
+    assert args[0] == "meta-llama/Llama-3.1-8B-Instruct"
+    kv = json.loads(args[args.index("--kv-events-config") + 1])
+    assert kv == {"enable_kv_cache_events": True, "publisher": "zmq",
+                  "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558",
+                  "topic": "kv@$(POD_IP):8000@meta-llama/Llama-3.1-8B-Instruct"}
+    assert "--enable-prefix-caching" in args and "--revision" in args
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == "1"
+    token = [e for e in c["env"] if e["name"] == "HF_TOKEN"][0]
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert "initContainers" not in pod  # vLLM downloads by itself
+    assert dep["spec"]["replicas"] == 2
+
+
+def test_disaggregated_pool_renders_one_deployment_and_pdb_per_role():
+    pool = PoolSpec.from_body(_example("pool-disaggregated.yaml"))
+    kinds = _by_kind(render_pool(pool))
+    deps = {d["metadata"]["name"]: d for d in kinds["Deployment"]}
+    assert sorted(deps) == ["qwen3-pd-decode", "qwen3-pd-prefill"]
+    assert deps["qwen3-pd-decode"]["spec"]["replicas"] == 2
+    assert deps["qwen3-pd-prefill"]["spec"]["template"]["metadata"]["labels"][
+        "sluice.dev/role"] == "prefill"
+    assert len(kinds["PodDisruptionBudget"]) == 2 and len(kinds["Service"]) == 1
+    c = _container(deps["qwen3-pd-decode"])
+    assert c["args"][c["args"].index("--model") + 1] == "/models/Qwen3-0.6B"
+    pod = deps["qwen3-pd-decode"]["spec"]["template"]["spec"]
+    assert {"name": "models", "persistentVolumeClaim": {"claimName": "models",
+                                                        "readOnly": True}} in pod["volumes"]
+
+
+def test_hf_source_with_sluice_engine_downloads_in_an_init_container():
+    body = _example("pool-cpu.yaml")
+    body["spec"]["model"]["source"] = {"huggingFace": {"repo": "HuggingFaceTB/SmolLM2-135M"}}
+    dep = _by_kind(render_pool(PoolSpec.from_body(body)))["Deployment"][0]
+    (init,) = dep["spec"]["template"]["spec"]["initContainers"]
+    env = {e["name"]: e.get("value") for e in init["env"]}
+    model = _container(dep)["args"][_container(dep)["args"].index("--model") + 1]
+    assert env["SLUICE_MODEL_DIR"] == model == "/model-cache/models/HuggingFaceTB--SmolLM2-135M@main"
+
+
+def test_rendering_is_pure_and_hash_tracks_changes():
+    body = _example("pool-cpu.yaml")
+    a = render_pool(PoolSpec.from_body(body))
+    assert a == render_pool(PoolSpec.from_body(body))
+    body["spec"]["engine"]["maxNumSeqs"] = 32
+    b = render_pool(PoolSpec.from_body(body))
+    hashes = lambda ms: [m["metadata"]["annotations"][labels.SPEC_HASH_ANNOTATION] for m in ms]
+    assert hashes(a)[0] == hashes(b)[0]  # the Service did not change
+    assert hashes(a)[1] != hashes(b)[1]  # the Deployment did
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda s: s.pop("replicas"), "exactly one of spec.replicas"),
+    (lambda s: s["engine"].update(kind="vllm"), "needs spec.model.source"),
+    (lambda s: s.update(autoscaling={"minReplicas": 3, "maxReplicas": 2}), "minReplicas"),
+])
+def test_spec_errors_the_schema_also_rejects(mutate, message):
+    body = _example("pool-cpu.yaml")
+    mutate(body["spec"])
+    with pytest.raises(SpecError, match=message):
+        PoolSpec.from_body(body)
+
+
+@pytest.mark.parametrize("version", ["1.30", "1.37"])
+def test_rendered_children_validate_against_kubernetes(version):
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    for name in ("pool-cpu.yaml", "pool-vllm-gpu.yaml", "pool-disaggregated.yaml"):
+        for manifest in render_pool(PoolSpec.from_body(_example(name))):
+            kubernetes_validate.validate(manifest, version, strict=True)
