@@ -1,0 +1,44 @@
+"""Gateway request keys: a chained hash over full token blocks.
+
+key(block i) = BLAKE2b-64(key(block i-1) or ROOT(model, block_size), token ids of
+block i as little-endian uint32). Keys are 16 lowercase hex chars. They depend
+only on the model name, the block size and the tokens, never on an engine's
+hash seed: the gateway maps each engine block hash to the key it computes
+from the token ids that engine's `BlockStored` event carries ("dual keys").
+Only full blocks get keys, as only full blocks are cached by engines.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from functools import lru_cache
+
+import numpy as np
+
+
+@lru_cache(maxsize=256)
+def root_key(model: str, block_size: int) -> bytes:
+    """8-byte seed of the chain for one model and block size."""
+    assert block_size > 0
+    return hashlib.blake2b(f"sluice-keys-v1\x00{model}\x00{block_size}".encode(),
+                           digest_size=8).digest()
+
+
+def chain_keys(parent: bytes, token_ids: list[int] | np.ndarray, block_size: int) -> list[str]:
+    """Keys of the full blocks of `token_ids`, chained from the 8-byte `parent`."""
+    assert len(parent) == 8
+    tokens = np.asarray(token_ids, dtype=np.int64).astype("<u4", copy=False)
+    raw = tokens.tobytes()
+    width = 4 * block_size
+    keys: list[str] = []
+    for i in range(len(tokens) // block_size):
+        h = hashlib.blake2b(parent, digest_size=8)
+        h.update(raw[i * width:(i + 1) * width])
+        parent = h.digest()
+        keys.append(parent.hex())
+    return keys
+
+
+def request_keys(model: str, block_size: int, token_ids: list[int] | np.ndarray) -> list[str]:
+    """Keys of every full block of a prompt, from the root."""
+    return chain_keys(root_key(model, block_size), token_ids, block_size)

@@ -1,0 +1,119 @@
+"""Bounded in-memory view of the prefix index (one per gateway replica).
+
+Holds the same facts as the Redis index: request key -> pods holding it,
+pod -> {engine block hash field -> request key}, and speculative entries with
+an expiry. Every gateway replica feeds it from the engines' events, so when
+Redis is unreachable routing continues on it (approximately: it is bounded,
+least-recently-used keys are dropped first). Thread-safe: the event feeder
+thread writes while request handlers read.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LocalIndexConfig:
+    max_keys: int = 1_000_000          # confirmed request keys kept (LRU beyond)
+    max_hashes_per_pod: int = 2_000_000  # engine hashes tracked per pod
+    max_speculative_keys: int = 200_000
+
+    def __post_init__(self) -> None:
+        assert self.max_keys > 0 and self.max_hashes_per_pod > 0
+        assert self.max_speculative_keys > 0
+
+
+class LocalIndex:
+    def __init__(self, config: LocalIndexConfig = LocalIndexConfig()) -> None:
+        self.config = config
+        self._holders: OrderedDict[str, set[str]] = OrderedDict()
+        self._pod_hashes: dict[str, dict[str, str]] = {}
+        self._spec: OrderedDict[str, dict[str, float]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.dropped = 0  # stores refused because a bound was hit
+
+    # -- writes (event feeder) ---------------------------------------------------------
+    def store(self, pod: str, pairs: list[tuple[str, str]]) -> None:
+        """Record that `pod` holds blocks: (engine hash field, request key) pairs."""
+        with self._lock:
+            hashes = self._pod_hashes.setdefault(pod, {})
+            for field, key in pairs:
+                if field not in hashes and len(hashes) >= self.config.max_hashes_per_pod:
+                    self.dropped += 1
+                    continue
+                hashes[field] = key
+                pods = self._holders.get(key)
+                if pods is None:
+                    pods = self._holders[key] = set()
+                    if len(self._holders) > self.config.max_keys:
+                        self._holders.popitem(last=False)
+                        self.dropped += 1
+                pods.add(pod)
+
+    def remove(self, pod: str, fields: list[str]) -> None:
+        """`pod` evicted the blocks with these engine hash fields."""
+        with self._lock:
+            hashes = self._pod_hashes.get(pod, {})
+            for field in fields:
+                key = hashes.pop(field, None)
+                if key is not None:
+                    self._discard(key, pod)
+
+    def clear(self, pod: str) -> None:
+        """`pod` dropped its whole cache (AllBlocksCleared) or is gone."""
+        with self._lock:
+            for key in self._pod_hashes.pop(pod, {}).values():
+                self._discard(key, pod)
+            for holders in self._spec.values():
+                holders.pop(pod, None)
+
+    def add_speculative(self, pod: str, keys: list[str], expiry_ms: float) -> None:
+        with self._lock:
+            for key in keys:
+                self._spec.setdefault(key, {})[pod] = expiry_ms
+                self._spec.move_to_end(key)
+            while len(self._spec) > self.config.max_speculative_keys:
+                self._spec.popitem(last=False)
+
+    def _discard(self, key: str, pod: str) -> None:
+        pods = self._holders.get(key)
+        if pods is not None:
+            pods.discard(pod)
+            if not pods:
+                del self._holders[key]
+
+    # -- reads -------------------------------------------------------------------------
+    def key_of(self, pod: str, field: str) -> str | None:
+        with self._lock:
+            return self._pod_hashes.get(pod, {}).get(field)
+
+    def snapshot(self, pod: str) -> dict[str, str]:
+        """Copy of the pod's engine-hash -> key map (to re-sync Redis from)."""
+        with self._lock:
+            return dict(self._pod_hashes.get(pod, {}))
+
+    def pods(self) -> list[str]:
+        with self._lock:
+            return list(self._pod_hashes)
+
+    def lookup(self, keys: list[str], pods: list[str], now_ms: float) -> dict[str, int]:
+        """For each of `pods`, the number of leading `keys` it holds consecutively
+        (confirmed or unexpired speculative). Pods with no hit are absent."""
+        hits: dict[str, int] = {}
+        alive = set(pods)
+        with self._lock:
+            for i, key in enumerate(keys):
+                holding = self._holders.get(key, set())
+                spec = self._spec.get(key)
+                if holding:
+                    self._holders.move_to_end(key)
+                alive = {p for p in alive if p in holding
+                         or (spec is not None and spec.get(p, 0) > now_ms)}
+                if not alive:
+                    break
+                for p in alive:
+                    hits[p] = i + 1
+        return hits

@@ -1,0 +1,153 @@
+"""The prefix index one gateway replica routes on: Redis, with a local fallback.
+
+`PrefixIndex` writes every event batch to its bounded `LocalIndex` and, while
+Redis answers, to the shared `RedisIndex`. When a Redis call fails it switches
+to local mode (logged, and exported as `sluice_gateway_index_mode`), keeps
+routing on the local view, and marks every pod for re-sync; `recover()` (run
+by the event feeder between batches) pings Redis and, once it answers,
+rewrites each pod's entries in Redis from the local view at the pod's last
+applied sequence number, then switches back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from sluice.gateway.local_index import LocalIndex
+from sluice.gateway.redis_index import RedisIndex, encode_ops
+
+log = logging.getLogger("sluice.gateway.index")
+
+
+def now_ms() -> float:
+    return time.time() * 1000.0
+
+
+class PrefixIndex:
+    def __init__(self, local: LocalIndex, redis: RedisIndex | None,
+                 lookup_timeout_s: float = 0.05) -> None:
+        self.local = local
+        self.redis = redis
+        self.lookup_timeout_s = lookup_timeout_s
+        self._lock = threading.Lock()
+        self._degraded = redis is None
+        self._last_seq: dict[str, int] = {}
+        self._block_size: dict[str, int] = {}
+        self.on_mode_change: list[Any] = []
+
+    @property
+    def mode(self) -> str:
+        """"redis" (shared index), "local" (Redis down: fallback) or "local_only"."""
+        if self.redis is None:
+            return "local_only"
+        return "local" if self._degraded else "redis"
+
+    def _degrade(self, err: Exception) -> None:
+        with self._lock:
+            if self._degraded:
+                return
+            self._degraded = True
+        log.warning("redis unreachable (%s): routing on the local index view until it returns",
+                    err)
+        for cb in self.on_mode_change:
+            cb(self.mode)
+
+    # -- feeder thread -------------------------------------------------------------------
+    def apply(self, pod: str, seq: int, stored: list[tuple[str, str]], removed: list[str],
+              cleared: bool, block_size: int | None) -> None:
+        """Apply one event batch of `pod` (already translated to request keys)."""
+        if cleared:
+            self.local.clear(pod)
+        if stored:
+            self.local.store(pod, stored)
+        if removed:
+            self.local.remove(pod, removed)
+        self._last_seq[pod] = seq
+        if block_size is not None:
+            self._block_size[pod] = block_size
+        if self.redis is None or self._degraded:
+            return
+        try:
+            self.redis.apply(pod, seq, encode_ops(stored, removed, cleared, block_size))
+        except RedisError as err:
+            self._degrade(err)
+
+    def forget_pod(self, pod: str) -> None:
+        """The pod is gone (or restarted): drop its entries everywhere."""
+        self.local.clear(pod)
+        self._last_seq.pop(pod, None)
+        if self.redis is not None and not self._degraded:
+            from sluice.index_keys import purge_pods
+            try:
+                purge_pods(self.redis.sync, [pod])
+            except RedisError as err:
+                self._degrade(err)
+
+    def stored_seq(self, pod: str) -> int | None:
+        """Seq last applied to Redis for `pod` (None: unknown / Redis down)."""
+        if self.redis is None or self._degraded:
+            return None
+        try:
+            return self.redis.stored_seq(pod)
+        except RedisError as err:
+            self._degrade(err)
+            return None
+
+    def warm_from_redis(self, pod: str) -> None:
+        """Load the pod's entries from Redis into the local view (gateway restart)."""
+        if self.redis is None or self._degraded:
+            return
+        try:
+            hashes = self.redis.load_hashes(pod)
+        except RedisError as err:
+            self._degrade(err)
+            return
+        self.local.store(pod, list(hashes.items()))
+
+    def recover(self) -> bool:
+        """If degraded and Redis answers again: re-sync every pod, back to redis mode."""
+        if self.redis is None or not self._degraded:
+            return False
+        try:
+            self.redis.sync.ping()
+            for pod, seq in list(self._last_seq.items()):
+                self.redis.resync(pod, seq, self.local.snapshot(pod), self._block_size.get(pod))
+        except RedisError:
+            return False
+        with self._lock:
+            self._degraded = False
+        log.warning("redis is back: index re-synced for %d pods", len(self._last_seq))
+        for cb in self.on_mode_change:
+            cb(self.mode)
+        return True
+
+    # -- request path ----------------------------------------------------------------------
+    async def lookup(self, keys: list[str], pods: list[str]
+                     ) -> tuple[dict[str, int], dict[str, dict[str, float]] | None]:
+        """(hits per pod, loads from Redis or None when the caller must use local loads)."""
+        if self.redis is not None and not self._degraded:
+            try:
+                return await asyncio.wait_for(self.redis.lookup(keys, pods, now_ms()),
+                                              self.lookup_timeout_s)
+            except (RedisError, asyncio.TimeoutError, OSError) as err:
+                self._degrade(err if isinstance(err, RedisError) else RedisError(repr(err)))
+        return self.local.lookup(keys, pods, now_ms()), None
+
+    async def speculate(self, pod: str, keys: list[str], ttl_ms: int) -> None:
+        """Record a routing decision: `pod` will hold `keys` (expires after ttl_ms)."""
+        if not keys or ttl_ms <= 0:
+            return
+        t = now_ms()
+        self.local.add_speculative(pod, keys, t + ttl_ms)
+        if self.redis is not None and not self._degraded:
+            try:
+                await asyncio.wait_for(self.redis.speculate(pod, keys, ttl_ms, t),
+                                       self.lookup_timeout_s * 4)
+            except (RedisError, asyncio.TimeoutError, OSError) as err:
+                self._degrade(err if isinstance(err, RedisError) else RedisError(repr(err)))

@@ -1,0 +1,69 @@
+"""Translate one engine's KV event batch into request-key operations ("dual keys").
+
+For `BlockStored`, the request key of each block is chained from the key of
+its parent: the parent's engine hash is looked up in the pod's map (local view,
+then Redis when a restarted gateway has not seen it), or the model's root when
+the parent is None. Blocks whose parent is unknown cannot be keyed and are
+counted as orphans (they are also absent from every request's run, so
+skipping them never creates a false hit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from sluice.gateway.block_keys import chain_keys, root_key
+from sluice.index_keys import engine_hash_field
+from sluice.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+
+@dataclass
+class Translated:
+    stored: list[tuple[str, str]] = field(default_factory=list)  # (engine hash field, key)
+    removed: list[str] = field(default_factory=list)
+    cleared: bool = False
+    block_size: int | None = None
+    orphans: int = 0
+
+
+def translate(batch: KVEventBatch, model: str,
+              key_of: Callable[[str], str | None]) -> Translated:
+    """Effects of `batch` for one pod; `key_of(field)` resolves a known engine hash.
+
+    Events inside a batch are in order; a clear drops everything before it.
+    """
+    out = Translated()
+    pending: dict[str, str] = {}  # keys stored earlier in this batch
+    for ev in batch.events:
+        if isinstance(ev, AllBlocksCleared):
+            out = Translated(cleared=True, orphans=out.orphans, block_size=out.block_size)
+            pending.clear()
+        elif isinstance(ev, BlockRemoved):
+            for h in ev.block_hashes:
+                f = engine_hash_field(h)
+                pending.pop(f, None)
+                out.removed.append(f)
+        elif isinstance(ev, BlockStored):
+            bs = ev.block_size
+            out.block_size = bs
+            if ev.parent_block_hash is None:
+                parent = root_key(model, bs)
+            else:
+                pf = engine_hash_field(ev.parent_block_hash)
+                pk = pending.get(pf) or key_of(pf)
+                if pk is None:
+                    out.orphans += len(ev.block_hashes)
+                    continue
+                parent = bytes.fromhex(pk)
+            keys = chain_keys(parent, ev.token_ids, bs)
+            if len(keys) != len(ev.block_hashes):  # malformed event: skip it whole
+                out.orphans += len(ev.block_hashes)
+                continue
+            for h, k in zip(ev.block_hashes, keys):
+                f = engine_hash_field(h)
+                pending[f] = k
+                if f in out.removed:
+                    out.removed.remove(f)
+                out.stored.append((f, k))
+    return out

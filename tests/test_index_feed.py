@@ -1,0 +1,219 @@
+"""Prefix index fed by real KV-event publishers, with a real redis-server."""
+
+import asyncio
+import time
+
+import pytest
+import redis
+import redis.asyncio as aredis
+
+from redis_server import RedisServer
+from sluice import index_keys as ik
+from sluice.engine.kv_publisher import KVEventPublisher
+from sluice.gateway.block_keys import request_keys
+from sluice.gateway.event_feed import EventFeeder, EventSource
+from sluice.gateway.local_index import LocalIndex
+from sluice.gateway.prefix_index import PrefixIndex
+from sluice.gateway.redis_index import RedisIndex
+from sluice.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+BS = 4
+MODEL = "m"
+
+
+def stored(hashes, parent, tokens):
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
+                       block_size=BS, lora_id=None, medium="GPU", lora_name=None)
+
+
+class Engine:
+    """A KV-event publisher standing in for one engine's block manager."""
+
+    def __init__(self, name, seed):
+        self.pub = KVEventPublisher("tcp://127.0.0.1:0".replace("127.0.0.1", "*"),
+                                    "tcp://*:0", topic=f"kv@{name}@{MODEL}")
+        self.pod = name
+        self.seed = seed
+
+    def source(self):
+        fix = lambda e: e.replace("0.0.0.0", "127.0.0.1")
+        return EventSource(self.pod, MODEL, fix(self.pub.last_endpoint),
+                           fix(self.pub.last_replay_endpoint))
+
+    def h(self, i):  # engine hashes differ per engine (own seed)
+        return self.seed * 1000 + i
+
+
+def make_index(port):
+    if port is None:
+        return PrefixIndex(LocalIndex(), None)
+    return PrefixIndex(LocalIndex(), RedisIndex(
+        redis.Redis(port=port, socket_timeout=0.5, socket_connect_timeout=0.5),
+        aredis.Redis(port=port, socket_timeout=0.5, socket_connect_timeout=0.5)))
+
+
+def wait_for(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+LOOP = asyncio.new_event_loop()
+
+
+def hits(index, tokens, pods):
+    return LOOP.run_until_complete(index.lookup(request_keys(MODEL, BS, tokens), pods))[0]
+
+
+TOKENS = list(range(100, 124))  # 6 blocks of 4
+
+
+@pytest.fixture
+def srv():
+    with RedisServer() as s:
+        yield s
+
+
+def test_store_remove_clear_and_pod_gone(srv):
+    a, b = Engine("a:1", 1), Engine("b:2", 2)
+    index = make_index(srv.port)
+    feeder = EventFeeder(index)
+    feeder.start()
+    try:
+        feeder.add(a.source())
+        feeder.add(b.source())
+        time.sleep(0.3)
+        a.pub.publish([stored([a.h(0), a.h(1)], None, TOKENS[:8]),
+                       stored([a.h(2), a.h(3)], a.h(1), TOKENS[8:16])])
+        b.pub.publish([stored([b.h(0)], None, TOKENS[:4])])
+        wait_for(lambda: feeder.batches >= 2)
+        assert hits(index, TOKENS, ["a:1", "b:2"]) == {"a:1": 4, "b:2": 1}
+        assert index.local.lookup(request_keys(MODEL, BS, TOKENS), ["a:1", "b:2"],
+                                  0) == {"a:1": 4, "b:2": 1}
+        r = redis.Redis(port=srv.port)
+        assert r.get(ik.pod_seq_key("a:1")) == b"0"
+        assert r.hget(ik.pod_meta_key("a:1"), "block_size") == b"4"
+        # An evicted middle block cuts the run there.
+        a.pub.publish([BlockRemoved(block_hashes=[a.h(2)], medium="GPU")])
+        wait_for(lambda: feeder.batches >= 3)
+        assert hits(index, TOKENS, ["a:1", "b:2"]) == {"a:1": 2, "b:2": 1}
+        a.pub.publish([AllBlocksCleared()])
+        wait_for(lambda: feeder.batches >= 4)
+        assert hits(index, TOKENS, ["a:1", "b:2"]) == {"b:2": 1}
+        assert r.scard(ik.pod_keys_key("a:1")) == 0
+        feeder.remove("b:2")
+        wait_for(lambda: "b:2" not in feeder.pods())
+        assert hits(index, TOKENS, ["a:1", "b:2"]) == {}
+        assert not r.exists(ik.pod_keys_key("b:2"))
+    finally:
+        feeder.stop()
+        a.pub.close()
+        b.pub.close()
+
+
+def test_restarted_gateway_catches_up_by_replay(srv):
+    a = Engine("a:1", 1)
+    index = make_index(srv.port)
+    feeder = EventFeeder(index)
+    feeder.start()
+    feeder.add(a.source())
+    time.sleep(0.3)
+    a.pub.publish([stored([a.h(0), a.h(1)], None, TOKENS[:8])])
+    wait_for(lambda: feeder.batches >= 1)
+    feeder.stop()  # gateway goes away; the engine keeps caching
+    a.pub.publish([stored([a.h(2)], a.h(1), TOKENS[8:12])])
+    a.pub.publish([stored([a.h(3), a.h(4)], a.h(2), TOKENS[12:20])])
+    time.sleep(0.2)
+    index2 = make_index(srv.port)  # fresh process state, same Redis
+    feeder2 = EventFeeder(index2)
+    feeder2.start()
+    try:
+        feeder2.add(a.source())
+        wait_for(lambda: feeder2.batches >= 2)
+        assert hits(index2, TOKENS, ["a:1"]) == {"a:1": 5}
+        # the local view was warmed from Redis plus the replayed batches
+        assert index2.local.lookup(request_keys(MODEL, BS, TOKENS), ["a:1"], 0) == {"a:1": 5}
+        # a new block chained on a parent the new gateway only knows from Redis
+        a.pub.publish([stored([a.h(5)], a.h(4), TOKENS[20:24])])
+        wait_for(lambda: feeder2.batches >= 3)
+        assert hits(index2, TOKENS, ["a:1"]) == {"a:1": 6}
+    finally:
+        feeder2.stop()
+        a.pub.close()
+
+
+def test_redis_outage_falls_back_and_resyncs(srv):
+    a = Engine("a:1", 1)
+    index = make_index(srv.port)
+    modes = []
+    index.on_mode_change.append(modes.append)
+    feeder = EventFeeder(index, recover_every_s=0.1)
+    feeder.start()
+    try:
+        feeder.add(a.source())
+        time.sleep(0.3)
+        a.pub.publish([stored([a.h(0)], None, TOKENS[:4])])
+        wait_for(lambda: feeder.batches >= 1)
+        assert index.mode == "redis"
+        srv.stop()
+        a.pub.publish([stored([a.h(1), a.h(2)], a.h(0), TOKENS[4:12])])
+        wait_for(lambda: feeder.batches >= 2)
+        assert hits(index, TOKENS, ["a:1"]) == {"a:1": 3}  # served from the local view
+        assert index.mode == "local"
+        srv.start()  # empty Redis on the same port
+        wait_for(lambda: index.mode == "redis")
+        assert modes == ["local", "redis"]
+        r = redis.Redis(port=srv.port)
+        assert r.scard(ik.pod_keys_key("a:1")) == 3
+        assert r.get(ik.pod_seq_key("a:1")) == b"1"
+        a.pub.publish([stored([a.h(3)], a.h(2), TOKENS[12:16])])
+        wait_for(lambda: feeder.batches >= 3)
+        assert hits(index, TOKENS, ["a:1"]) == {"a:1": 4}
+    finally:
+        feeder.stop()
+        a.pub.close()
+
+
+def test_engine_restart_drops_old_entries():
+    a = Engine("a:1", 1)
+    index = make_index(None)
+    feeder = EventFeeder(index)
+    feeder.start()
+    try:
+        feeder.add(a.source())
+        time.sleep(0.3)
+        for i in range(3):
+            a.pub.publish([stored([a.h(i)], a.h(i - 1) if i else None, TOKENS[4 * i:4 * i + 4])])
+        wait_for(lambda: feeder.batches >= 3)
+        assert hits(index, TOKENS, ["a:1"]) == {"a:1": 3}
+        endpoint = a.source()
+        a.pub.close()
+        time.sleep(0.1)
+        # same endpoints, a new process: seq restarts at 0, different hashes
+        port = endpoint.endpoint.rsplit(":", 1)[1]
+        rport = endpoint.replay_endpoint.rsplit(":", 1)[1]
+        pub2 = KVEventPublisher(f"tcp://*:{port}", f"tcp://*:{rport}", topic="t")
+        time.sleep(0.5)
+        pub2.publish([stored([77], None, TOKENS[:4])])
+        wait_for(lambda: feeder.restarts == 1)
+        assert hits(index, TOKENS, ["a:1"]) == {"a:1": 1}
+        pub2.close()
+    finally:
+        feeder.stop()
+
+
+def test_speculative_entries_expire(srv):
+    index = make_index(srv.port)
+    keys = request_keys(MODEL, BS, TOKENS)
+
+    async def go():
+        await index.speculate("a:1", keys[:3], ttl_ms=300)
+        h1 = (await index.lookup(keys, ["a:1", "b:2"]))[0]
+        await asyncio.sleep(0.4)
+        h2 = (await index.lookup(keys, ["a:1", "b:2"]))[0]
+        return h1, h2
+
+    assert LOOP.run_until_complete(go()) == ({"a:1": 3}, {})
