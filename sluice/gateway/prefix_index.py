@@ -139,15 +139,23 @@ class PrefixIndex:
                 self._degrade(err if isinstance(err, RedisError) else RedisError(repr(err)))
         return self.local.lookup(keys, pods, now_ms()), None
 
-    async def speculate(self, pod: str, keys: list[str], ttl_ms: int) -> None:
-        """Record a routing decision: `pod` will hold `keys` (expires after ttl_ms)."""
+    def speculate(self, pod: str, keys: list[str], ttl_ms: int) -> Any:
+        """Record a routing decision: `pod` will hold `keys` for `ttl_ms`.
+
+        The local view is updated now; returns the coroutine writing Redis (to
+        run in the background) or None."""
         if not keys or ttl_ms <= 0:
-            return
+            return None
         t = now_ms()
         self.local.add_speculative(pod, keys, t + ttl_ms)
-        if self.redis is not None and not self._degraded:
-            try:
-                await asyncio.wait_for(self.redis.speculate(pod, keys, ttl_ms, t),
-                                       self.lookup_timeout_s * 4)
-            except (RedisError, asyncio.TimeoutError, OSError) as err:
-                self._degrade(err if isinstance(err, RedisError) else RedisError(repr(err)))
+        if self.redis is None or self._degraded:
+            return None
+        return self._speculate_shared(pod, keys, ttl_ms, t)
+
+    async def _speculate_shared(self, pod: str, keys: list[str], ttl_ms: int, t: float) -> None:
+        assert self.redis is not None
+        try:
+            await asyncio.wait_for(self.redis.speculate(pod, keys, ttl_ms, t),
+                                   self.lookup_timeout_s * 4)
+        except (RedisError, asyncio.TimeoutError, OSError) as err:
+            self._degrade(err if isinstance(err, RedisError) else RedisError(repr(err)))

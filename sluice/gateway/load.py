@@ -1,0 +1,157 @@
+"""Pod load: scraped from each engine's `/metrics` (vLLM names), shared via Redis.
+
+`LoadScraper` polls every pod's `/metrics` every `interval_s` (~150 ms),
+keeps the figures in its local `LoadTable` and writes them to Redis
+(`sluice:load:{pod}`, TTL `ttl_ms`) so every gateway replica and the
+operator's autoscaler read the same numbers. An entry older than its TTL is
+unknown: routing does not prefer such a pod.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from redis.exceptions import RedisError
+
+log = logging.getLogger("sluice.gateway.load")
+
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    prefix_hits: float = 0.0      # tokens (counter)
+    prefix_queries: float = 0.0   # tokens (counter)
+
+
+def parse_engine_metrics(text: str) -> EngineMetrics:
+    """Read the vLLM metrics routing needs from a Prometheus text exposition
+    (summed over `model_name` label values)."""
+    vals: dict[str, float] = {}
+    info: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        m = _LINE.match(line)
+        if m is None:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", m.group(3)
+        try:
+            v = float(value)
+        except ValueError:
+            continue
+        if name == "vllm:cache_config_info":
+            info = dict(_LABEL.findall(labels))
+            continue
+        vals[name] = vals.get(name, 0.0) + v
+    kv = vals.get("vllm:kv_cache_usage_perc", vals.get("vllm:gpu_cache_usage_perc", 0.0))
+
+    def as_int(s: str | None) -> int | None:
+        return int(s) if s and s.isdigit() else None
+
+    return EngineMetrics(
+        waiting=vals.get("vllm:num_requests_waiting", 0.0),
+        running=vals.get("vllm:num_requests_running", 0.0), kv_usage=kv,
+        block_size=as_int(info.get("block_size")),
+        num_gpu_blocks=as_int(info.get("num_gpu_blocks")),
+        prefix_hits=vals.get("vllm:prefix_cache_hits_total", 0.0),
+        prefix_queries=vals.get("vllm:prefix_cache_queries_total", 0.0))
+
+
+class LoadTable:
+    """Latest load per pod with its timestamp (this replica's own view)."""
+
+    def __init__(self, ttl_ms: int) -> None:
+        assert ttl_ms > 0
+        self.ttl_ms = ttl_ms
+        self._rows: dict[str, tuple[float, EngineMetrics]] = {}
+
+    def put(self, pod: str, m: EngineMetrics, ts_ms: float) -> None:
+        self._rows[pod] = (ts_ms, m)
+
+    def drop(self, pod: str) -> None:
+        self._rows.pop(pod, None)
+
+    def metrics(self, pod: str) -> EngineMetrics | None:
+        row = self._rows.get(pod)
+        return None if row is None else row[1]
+
+    def fresh(self, now_ms: float) -> dict[str, dict[str, float]]:
+        """Unexpired loads, shaped like the Redis load entries."""
+        return {pod: {"waiting": m.waiting, "running": m.running, "kv_usage": m.kv_usage,
+                      "ts_ms": ts}
+                for pod, (ts, m) in self._rows.items() if now_ms - ts < self.ttl_ms}
+
+
+class LoadScraper:
+    def __init__(self, table: LoadTable, redis_index: Any | None, pods: Any,
+                 interval_s: float = 0.15, timeout_s: float = 0.5) -> None:
+        """`pods()` returns {pod id: base URL} to scrape right now."""
+        self.table = table
+        self.redis = redis_index
+        self.pods = pods
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self._task: asyncio.Task | None = None
+        self._client: httpx.AsyncClient | None = None
+
+    async def _one(self, pod: str, url: str) -> tuple[str, EngineMetrics] | None:
+        assert self._client is not None
+        try:
+            resp = await self._client.get(url.rstrip("/") + "/metrics")
+            resp.raise_for_status()
+        except httpx.HTTPError:
+            return None
+        return pod, parse_engine_metrics(resp.text)
+
+    async def scrape_once(self) -> int:
+        targets = dict(self.pods())
+        results = await asyncio.gather(*(self._one(p, u) for p, u in targets.items()))
+        now = time.time() * 1000.0
+        fresh = {}
+        for r in results:
+            if r is not None:
+                self.table.put(r[0], r[1], now)
+                fresh[r[0]] = {"waiting": r[1].waiting, "running": r[1].running,
+                               "kv_usage": r[1].kv_usage, "ts_ms": now}
+        if fresh and self.redis is not None:
+            try:
+                await asyncio.wait_for(self.redis.write_loads(fresh, self.table.ttl_ms), 0.5)
+            except (RedisError, asyncio.TimeoutError, OSError):
+                pass  # the index notices Redis outages; loads stay local meanwhile
+        return len(fresh)
+
+    async def _loop(self) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                await self.scrape_once()
+            except Exception:  # never let the loop die
+                log.exception("load scrape failed")
+            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+
+    def start(self) -> None:
+        self._client = httpx.AsyncClient(timeout=self.timeout_s)
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        if self._client is not None:
+            await self._client.aclose()

@@ -1,0 +1,1 @@
+"""Routing: filters -> scorers -> picker, assembled into strategies."""

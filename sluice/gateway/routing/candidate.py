@@ -1,0 +1,27 @@
+"""What routing knows about one pod for one request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Candidate:
+    pod: str
+    hit_blocks: int = 0              # leading prompt blocks the pod holds (predicted)
+    total_blocks: int = 0            # full blocks in the prompt (for that pod's block size)
+    waiting: float | None = None     # None: no fresh load entry (unknown)
+    running: float | None = None
+    kv_usage: float | None = None
+    inflight: int = 0                # requests this gateway has in flight to the pod
+
+    @property
+    def load_known(self) -> bool:
+        return self.waiting is not None
+
+    @property
+    def queue(self) -> float:
+        """Requests ahead of a new one: the larger of the scraped and the local count
+        (the local one reacts immediately, the scraped one sees other gateways)."""
+        scraped = (self.waiting or 0.0) + (self.running or 0.0)
+        return max(scraped, float(self.inflight))

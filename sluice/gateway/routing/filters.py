@@ -1,0 +1,44 @@
+"""Filters: drop pods that must not take the request. Each returns a sub-list;
+a filter that would leave nothing for a soft reason returns its input (fail open)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from sluice.gateway.routing.candidate import Candidate
+from sluice.gateway.routing.config import RoutingConfig
+
+
+class HealthyFilter:
+    """Hard: pods marked unhealthy (consecutive failures, not yet re-probed) are out."""
+
+    def __init__(self, is_healthy: Callable[[str], bool]) -> None:
+        self.is_healthy = is_healthy
+
+    def __call__(self, cands: list[Candidate], cfg: RoutingConfig) -> list[Candidate]:
+        return [c for c in cands if self.is_healthy(c.pod)]
+
+
+class KVCeilingFilter:
+    """Soft: pods whose KV cache is (nearly) full would preempt; skip them."""
+
+    def __call__(self, cands: list[Candidate], cfg: RoutingConfig) -> list[Candidate]:
+        kept = [c for c in cands if c.kv_usage is None or c.kv_usage < cfg.kv_ceiling]
+        return kept or cands
+
+
+class ImbalanceGate:
+    """Soft: when load is imbalanced (max - min > abs and max > rel * min, SGLang's
+    rule), pods above both thresholds are hot and dropped, so no prefix hit
+    can pile more work on them."""
+
+    def __call__(self, cands: list[Candidate], cfg: RoutingConfig) -> list[Candidate]:
+        if len(cands) < 2:
+            return cands
+        queues = [c.queue for c in cands]
+        lo, hi = min(queues), max(queues)
+        if not (hi - lo > cfg.imbalance_abs and hi > cfg.imbalance_rel * lo):
+            return cands
+        kept = [c for c in cands
+                if not (c.queue - lo > cfg.imbalance_abs and c.queue > cfg.imbalance_rel * lo)]
+        return kept or cands

@@ -1,0 +1,143 @@
+"""Router: candidates -> filters -> scorers -> picker, per strategy.
+
+- round_robin: healthy pods in turn.
+- least_load: filters, then queue + KV scores.
+- prefix (approximate): hits from this gateway's own routing history only.
+- kv_aware (precise): hits from the event-fed index (Redis, or the local view
+  when Redis is down) plus loads from Redis; the decision is written back as
+  speculative entries (TTL `speculative_ttl_ms`) so a burst of one prefix
+  sticks to one pod before the engine's events arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from sluice.gateway.block_keys import request_keys
+from sluice.gateway.local_index import LocalIndex
+from sluice.gateway.load import LoadTable
+from sluice.gateway.prefix_index import PrefixIndex
+from sluice.gateway.routing.candidate import Candidate
+from sluice.gateway.routing.config import RoutingConfig
+from sluice.gateway.routing.filters import HealthyFilter, ImbalanceGate, KVCeilingFilter
+from sluice.gateway.routing.picker import MaxScorePicker
+from sluice.gateway.routing.scorers import KVUsageScorer, PrefixScorer, QueueScorer, weighted
+
+log = logging.getLogger("sluice.gateway.routing")
+
+
+@dataclass(frozen=True)
+class Decision:
+    pod: str
+    strategy: str
+    hit_blocks: int
+    total_blocks: int
+    index_mode: str
+    reason: str
+
+
+class Router:
+    def __init__(self, cfg: RoutingConfig, index: PrefixIndex | None, history: LocalIndex,
+                 loads: LoadTable, is_healthy: Callable[[str], bool],
+                 inflight: Callable[[str], int],
+                 block_size_of: Callable[[str], int | None]) -> None:
+        assert cfg.strategy != "kv_aware" or index is not None
+        self.cfg = cfg
+        self.index = index
+        self.history = history
+        self.loads = loads
+        self.inflight = inflight
+        self.block_size_of = block_size_of
+        self.healthy = HealthyFilter(is_healthy)
+        self.soft_filters = [KVCeilingFilter(), ImbalanceGate()]
+        self.picker = MaxScorePicker(cfg.seed)
+        self._rr = itertools.count()
+        self._tasks: set[asyncio.Task] = set()
+        c = cfg
+        self.parts = {"least_load": [(c.w_queue, QueueScorer()), (c.w_kv, KVUsageScorer())],
+                      "prefix": [(c.w_prefix, PrefixScorer()), (c.w_queue, QueueScorer()),
+                                 (c.w_kv, KVUsageScorer())]}
+        self.parts["kv_aware"] = self.parts["prefix"]
+
+    def index_mode(self) -> str:
+        return self.index.mode if self.index is not None else "none"
+
+    async def route(self, model: str, token_ids: list[int], pods: list[str],
+                    exclude: frozenset[str] = frozenset()) -> Decision | None:
+        """Choose a pod for a prompt, or None when no healthy pod is left."""
+        strategy = self.cfg.strategy
+        cands = self.healthy([Candidate(p) for p in pods if p not in exclude], self.cfg)
+        if not cands:
+            return None
+        if strategy == "round_robin":
+            pod = cands[next(self._rr) % len(cands)].pod
+            return Decision(pod, strategy, 0, 0, self.index_mode(), "round robin")
+        keys_by_size: dict[int, list[str]] = {}
+        for c in cands:
+            bs = self.block_size_of(c.pod) or self.cfg.default_block_size
+            if bs not in keys_by_size:
+                keys_by_size[bs] = request_keys(model, bs, token_ids)
+            c.total_blocks = len(keys_by_size[bs])
+        shared_loads = await self._fill_hits(strategy, cands, keys_by_size)
+        now = time.time() * 1000.0
+        loads = shared_loads if shared_loads is not None else self.loads.fresh(now)
+        for c in cands:
+            row = loads.get(c.pod)
+            if row is not None and now - row["ts_ms"] < self.loads.ttl_ms:
+                c.waiting, c.running, c.kv_usage = row["waiting"], row["running"], row["kv_usage"]
+            c.inflight = self.inflight(c.pod)
+        for f in self.soft_filters:
+            cands = f(cands, self.cfg)
+        scores = weighted(cands, self.parts[strategy])
+        cold = max(c.hit_blocks for c in cands) == 0
+        chosen = self.picker(cands, scores, self.cfg.cold_spread if cold else 1e-9)
+        self._remember(strategy, chosen, keys_by_size)
+        reason = "cold spread" if cold else "prefix+load"
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("route %s -> %s (%s): %s", strategy, chosen.pod, reason, ", ".join(
+                f"{c.pod} hit={c.hit_blocks}/{c.total_blocks} q={c.queue:g} "
+                f"kv={c.kv_usage} score={s:.3f}" for c, s in zip(cands, scores)))
+        return Decision(chosen.pod, strategy, chosen.hit_blocks, chosen.total_blocks,
+                        self.index_mode(), reason)
+
+    async def _fill_hits(self, strategy: str, cands: list[Candidate],
+                         keys_by_size: dict[int, list[str]]
+                         ) -> dict[str, dict[str, float]] | None:
+        shared: dict[str, dict[str, float]] | None = None
+        if strategy not in ("prefix", "kv_aware"):
+            return None
+        for bs, keys in keys_by_size.items():
+            group = [c for c in cands
+                     if (self.block_size_of(c.pod) or self.cfg.default_block_size) == bs]
+            pods = [c.pod for c in group]
+            if strategy == "kv_aware":
+                assert self.index is not None
+                hits, loads = await self.index.lookup(keys, pods)
+                if loads is not None:
+                    shared = {**(shared or {}), **loads}
+            else:
+                hits = self.history.lookup(keys, pods, time.time() * 1000.0)
+            for c in group:
+                c.hit_blocks = hits.get(c.pod, 0)
+        return shared
+
+    def _remember(self, strategy: str, chosen: Candidate,
+                  keys_by_size: dict[int, list[str]]) -> None:
+        bs = self.block_size_of(chosen.pod) or self.cfg.default_block_size
+        keys = keys_by_size[bs]
+        if strategy == "prefix":
+            self.history.add_speculative(chosen.pod, keys,
+                                         time.time() * 1000.0 + self.cfg.history_ttl_ms)
+        elif strategy == "kv_aware" and self.index is not None:
+            write = self.index.speculate(chosen.pod, keys[chosen.hit_blocks:],
+                                         self.cfg.speculative_ttl_ms)
+            if write is None:
+                return
+            task = asyncio.get_running_loop().create_task(write)
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)

@@ -1,0 +1,42 @@
+"""Scorers. The kv_aware / prefix score of a pod is
+
+    score = w_prefix * hit_blocks / total_blocks
+          + w_queue  * (1 - queue / (max_queue + 1))
+          + w_kv     * (1 - kv_usage)
+
+where queue = max(waiting + running from the pod's load entry, this gateway's
+in-flight requests to it) and max_queue is over the candidates. A pod whose
+load entry expired (unknown) gets 0 for the queue and KV terms, so it is not
+preferred. least_load uses the last two terms only. Higher is better.
+"""
+
+from __future__ import annotations
+
+from sluice.gateway.routing.candidate import Candidate
+
+
+class PrefixScorer:
+    def __call__(self, cands: list[Candidate]) -> list[float]:
+        return [c.hit_blocks / c.total_blocks if c.total_blocks else 0.0 for c in cands]
+
+
+class QueueScorer:
+    def __call__(self, cands: list[Candidate]) -> list[float]:
+        top = max((c.queue for c in cands), default=0.0)
+        return [1.0 - c.queue / (top + 1.0) if c.load_known else 0.0 for c in cands]
+
+
+class KVUsageScorer:
+    def __call__(self, cands: list[Candidate]) -> list[float]:
+        return [1.0 - min(max(c.kv_usage, 0.0), 1.0) if c.kv_usage is not None else 0.0
+                for c in cands]
+
+
+def weighted(cands: list[Candidate], parts: list[tuple[float, object]]) -> list[float]:
+    """Sum of weight * scorer(cands) over `parts`."""
+    total = [0.0] * len(cands)
+    for weight, scorer in parts:
+        if weight:
+            for i, s in enumerate(scorer(cands)):  # type: ignore[operator]
+                total[i] += weight * s
+    return total

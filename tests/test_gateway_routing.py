@@ -1,0 +1,130 @@
+"""Routing policy: filters -> scorers -> picker, on the local index (no I/O)."""
+
+import asyncio
+import collections
+import time
+
+from sluice.gateway.block_keys import request_keys
+from sluice.gateway.load import EngineMetrics, LoadTable
+from sluice.gateway.local_index import LocalIndex
+from sluice.gateway.prefix_index import PrefixIndex
+from sluice.gateway.routing.config import RoutingConfig
+from sluice.gateway.routing.router import Router
+
+PODS = ["p0:1", "p1:1", "p2:1", "p3:1"]
+PROMPT = list(range(1000, 1160))  # 10 blocks of 16
+
+
+def make(strategy="kv_aware", loads=None, unhealthy=(), inflight=None, **cfg):
+    index = PrefixIndex(LocalIndex(), None)
+    table = LoadTable(ttl_ms=10_000)
+    now = time.time() * 1000
+    for pod in PODS:
+        w, r, kv = (loads or {}).get(pod, (0, 0, 0.1))
+        if w is not None:
+            table.put(pod, EngineMetrics(waiting=w, running=r, kv_usage=kv), now)
+    router = Router(RoutingConfig(strategy=strategy, **cfg), index, LocalIndex(), table,
+                    lambda p: p not in unhealthy, lambda p: (inflight or {}).get(p, 0),
+                    lambda p: 16)
+    return router, index
+
+
+def hold(index, pod, n_blocks, tokens=PROMPT):
+    keys = request_keys("m", 16, tokens)[:n_blocks]
+    index.local.store(pod, [(f"{pod}-{i}", k) for i, k in enumerate(keys)])
+
+
+def route(router, tokens=PROMPT, exclude=frozenset()):
+    return asyncio.run(router.route("m", tokens, PODS, exclude))
+
+
+def test_equal_load_longest_prefix_wins():
+    router, index = make()
+    hold(index, "p1:1", 3)
+    hold(index, "p2:1", 7)
+    hold(index, "p3:1", 5)
+    d = route(router)
+    assert (d.pod, d.hit_blocks, d.total_blocks) == ("p2:1", 7, 10)
+
+
+def test_hot_pod_is_avoided_despite_its_prefix():
+    router, index = make(loads={"p2:1": (40, 8, 0.5)})
+    hold(index, "p1:1", 4)
+    hold(index, "p2:1", 10)
+    d = route(router)
+    assert d.pod == "p1:1" and d.hit_blocks == 4  # gate dropped p2; next best prefix
+
+
+def test_moderate_load_difference_keeps_affinity():
+    router, index = make(loads={"p2:1": (3, 4, 0.3)})
+    hold(index, "p2:1", 10)
+    assert route(router).pod == "p2:1"
+
+
+def test_kv_ceiling_and_unknown_load():
+    router, index = make(loads={"p2:1": (0, 1, 0.99), "p0:1": (None, None, None)})
+    hold(index, "p2:1", 10)
+    d = route(router)
+    assert d.pod not in ("p2:1", "p0:1")  # full KV cache; unknown load not preferred
+
+
+def test_cold_requests_spread():
+    router, _ = make(strategy="kv_aware", speculative_ttl_ms=0)
+    seen = collections.Counter()
+    for i in range(200):
+        seen[route(router, tokens=[i] * 64).pod] += 1
+    assert set(seen) == set(PODS) and min(seen.values()) > 20
+
+
+def test_inflight_counts_before_scrape_catches_up():
+    router, _ = make(strategy="least_load", inflight={"p0:1": 5, "p1:1": 5, "p2:1": 5})
+    assert route(router).pod == "p3:1"
+
+
+def test_unhealthy_and_excluded_pods_are_skipped():
+    router, index = make(unhealthy=("p2:1",))
+    hold(index, "p2:1", 10)
+    hold(index, "p1:1", 2)
+    assert route(router, exclude=frozenset({"p1:1"})).pod in ("p0:1", "p3:1")
+    router2, _ = make(unhealthy=tuple(PODS))
+    assert route(router2) is None
+
+
+def test_round_robin_rotates():
+    router, _ = make(strategy="round_robin")
+    assert [route(router).pod for _ in range(8)] == PODS * 2
+
+
+def test_speculative_entry_makes_a_burst_stick():
+    router, _ = make(strategy="kv_aware")
+    first = route(router)
+    assert first.hit_blocks == 0
+    again = [route(router) for _ in range(5)]
+    assert {d.pod for d in again} == {first.pod} and again[0].hit_blocks == 10
+
+
+def test_prefix_strategy_uses_routing_history_only():
+    router, index = make(strategy="prefix")
+    hold(index, "p3:1", 10)  # events are ignored by the approximate strategy
+    first = route(router)
+    assert first.hit_blocks == 0
+    second = route(router)
+    assert second.pod == first.pod and second.hit_blocks == 10
+
+
+def test_parse_engine_metrics():
+    from sluice.gateway.load import parse_engine_metrics
+    text = """# HELP vllm:num_requests_waiting x
+vllm:num_requests_waiting{model_name="m"} 3.0
+vllm:num_requests_running{model_name="m"} 2.0
+vllm:kv_cache_usage_perc{model_name="m"} 0.25
+vllm:gpu_cache_usage_perc{model_name="m"} 0.25
+vllm:cache_config_info{block_size="16",enable_prefix_caching="True",model_name="m",num_gpu_blocks="4096"} 1.0
+vllm:prefix_cache_hits_total{model_name="m"} 320.0
+vllm:prefix_cache_queries_total{model_name="m"} 640.0
+vllm:prefix_cache_hits_created{model_name="m"} 1.7e9
+"""
+    m = parse_engine_metrics(text)
+    assert (m.waiting, m.running, m.kv_usage, m.block_size, m.num_gpu_blocks) == (3, 2, 0.25, 16,
+                                                                                  4096)
+    assert (m.prefix_hits, m.prefix_queries) == (320, 640)
