@@ -15,3 +15,11 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("tiny-models")
     return {f: save_tiny_model(f, root / f) for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory) -> Path:
+    """A tiny random Llama folder carrying SmolLM2's tokenizer and chat template."""
+    from hf_models import save_tiny_chat_model
+
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat") / "tiny-chat")

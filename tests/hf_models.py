@@ -35,7 +35,7 @@ def save_tiny_model(family: str, folder: Path, seed: int = 0) -> Path:
     cfg_dict = tiny_config(family)
     config = AutoConfig.for_model(**cfg_dict)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # norms and biases away from their trivial init
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -51,7 +51,7 @@ def save_tiny_model(family: str, folder: Path, seed: int = 0) -> Path:
 def load_hf(folder: Path):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
@@ -60,3 +60,21 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
                              do_sample=False, eos_token_id=None, pad_token_id=0,
                              min_new_tokens=max_new_tokens)
     return out[0, len(prompt):].tolist()
+
+
+def save_tiny_chat_model(folder: Path, seed: int = 0) -> Path:
+    """A tiny random Llama with the default model's real tokenizer and chat template."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from sluice.default_model import resolve_default_model
+
+    gguf = Path(resolve_default_model())
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    cfg = dict(tiny_config("llama"), vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+               eos_token_id=tok.eos_token_id)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=torch.float32)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    return folder

@@ -100,6 +100,8 @@ class LLMEngine:
         self.scheduler.finish(state.req)
         state.req.finish("abort")
         self.metrics.on_finished(state.req, time.time())
+        self.metrics.on_step(len(self.scheduler.running), len(self.scheduler.waiting),
+                             self.kv.usage, 0, 0, 0)
         return state.make_output([], None)
 
     def has_unfinished(self) -> bool:

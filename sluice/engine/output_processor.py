@@ -21,22 +21,29 @@ class OutputState:
         self.max_stop_len = max((len(s) for s in req.params.stop), default=0)
 
     def append_token(self, token: int, max_model_len: int) -> None:
-        """Record a sampled token and decide whether the request is finished."""
+        """Record a sampled token and decide whether the request is finished.
+
+        A stop token or EOS ends the request without adding its text; a stop
+        string ends it with the text cut before the stop (kept with
+        include_stop_str_in_output) and takes precedence over the length limit.
+        """
         req, p = self.req, self.req.params
         req.token_ids.append(token)
         if token in p.stop_token_ids:
             req.finish("stop", token)
-            return
-        if token in req.eos_token_ids and not p.ignore_eos:
+        elif token in req.eos_token_ids and not p.ignore_eos:
             req.finish("stop")
-            return
-        if self.detokenizer is not None:
-            before = len(self.text)
-            self.text += self.detokenizer.add_token(token)
-            if p.stop and self._check_stop_strings(before):
-                return
-        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= max_model_len:
+        elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= max_model_len:
             req.finish("length")
+        if self.detokenizer is None:
+            return
+        before = len(self.text)
+        if req.finish_reason != "stop":
+            self.text += self.detokenizer.add_token(token)
+        if req.is_finished:
+            self.text += self.detokenizer.finish()
+        if p.stop:
+            self._check_stop_strings(before)
 
     def _check_stop_strings(self, before: int) -> bool:
         p = self.req.params

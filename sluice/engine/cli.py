@@ -1,0 +1,104 @@
+"""`sluice engine`: serve one model over the OpenAI API."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+
+from sluice.engine.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
+
+log = logging.getLogger("sluice.engine")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default",
+                   help="HF folder, .gguf file, or 'default' (SmolLM2-135M-Instruct); with "
+                        "--load-format dummy: a config.json or a named shape")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", default="512MiB", help="KV-cache budget on CPU")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="override the KV budget")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="bounded waiting queue; beyond it requests get 429")
+    p.add_argument("--kv-events-endpoint", default=None,
+                   help="ZMQ PUB endpoint for KV-cache events, e.g. tcp://*:5557")
+    p.add_argument("--kv-events-replay-endpoint", default=None,
+                   help="ZMQ ROUTER endpoint for event replay, e.g. tcp://*:5558")
+    p.add_argument("--kv-events-topic", default=None,
+                   help="topic (default kv@<host>:<port>@<served-model-name>)")
+    p.add_argument("--log-level", default="info")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    from sluice.default_model import DEFAULT_SERVED_MODEL_NAME, resolve_model
+
+    model = args.model
+    if args.load_format != "dummy":
+        model = resolve_model(None if model == "default" else model)
+    name = args.served_model_name or (
+        DEFAULT_SERVED_MODEL_NAME if args.model == "default" else os.path.basename(
+            model.rstrip("/")).removesuffix(".gguf"))
+    return EngineConfig(
+        model=model, served_model_name=name, load_format=args.load_format, dtype=args.dtype,
+        device=args.device, seed=args.seed,
+        cache=CacheConfig(block_size=args.block_size,
+                          kv_cache_memory=parse_size(args.kv_cache_memory),
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          enable_prefix_caching=args.prefix_caching,
+                          num_blocks=args.num_kv_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_model_len=args.max_model_len,
+                                  max_waiting_requests=args.max_waiting_requests),
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from sluice.engine.async_engine import AsyncEngine
+    from sluice.engine.llm_engine import LLMEngine
+    from sluice.engine.server.api import build_app
+    from sluice.tokenizer import Tokenizer
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = engine_config(args)
+    tok_path = args.tokenizer or (None if args.load_format == "dummy" else config.model)
+    tokenizer = Tokenizer.from_path(tok_path) if tok_path else None
+    publisher = None
+    if args.kv_events_endpoint:
+        from sluice.engine.kv_publisher import KVEventPublisher
+
+        topic = args.kv_events_topic or (
+            f"kv@{args.host if args.host not in ('0.0.0.0', '::') else socket.gethostname()}"
+            f":{args.port}@{config.served_model_name}")
+        publisher = KVEventPublisher(args.kv_events_endpoint, args.kv_events_replay_endpoint,
+                                     topic)
+    llm = LLMEngine(config, tokenizer, record_kv_events=publisher is not None)
+    on_step = (lambda: publisher.publish(llm.kv.take_events())) if publisher else None
+    engine = AsyncEngine(llm, on_step=on_step)
+    app = build_app(engine, tokenizer, config.served_model_name)
+    log.info("serving %s on http://%s:%d", config.served_model_name, args.host, args.port)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                    timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()
+        if publisher is not None:
+            publisher.close()
+    return 0

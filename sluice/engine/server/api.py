@@ -1,0 +1,252 @@
+"""The engine's OpenAI-compatible HTTP API (FastAPI).
+
+Every error is OpenAI-shaped JSON: 400 for invalid bodies and values or a
+prompt that does not fit the context, 404 for an unknown model, 429 with
+Retry-After when the waiting queue is full, 503 when the engine is down. A
+client that disconnects (streaming or not) aborts its requests at once, which
+frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from sluice.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
+from sluice.engine.server import formatting as fmt
+from sluice.engine.server.errors import error_response
+from sluice.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+
+
+def build_app(engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI:
+    app = FastAPI(title="Sluice engine")
+    llm = engine.engine
+    max_model_len = llm.max_model_len
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return error_response(f"{loc}: {first.get('msg', 'invalid request')}".strip(": "), 400,
+                              loc or None)
+
+    @app.get("/health")
+    async def health():
+        if engine.error is not None:
+            return error_response(f"engine stopped: {engine.error!r}", 503)
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": 0, "owned_by": "sluice",
+            "root": llm.config.model, "max_model_len": max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(llm.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def check_model(body) -> JSONResponse | None:
+        if body.model not in (None, model_name):
+            return error_response(f"The model `{body.model}` does not exist.", 404, "model")
+        return None
+
+    def default_max_tokens(prompt_len: int) -> int:
+        return max(1, max_model_len - prompt_len)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        if (err := check_model(body)) is not None:
+            return err
+        try:
+            prompts = _completion_prompts(body.prompt, tokenizer)
+        except ValueError as exc:
+            return error_response(str(exc), 400, "prompt")
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        return await _serve(raw, body, prompts, rid, "text_completion", chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, raw: Request):
+        if (err := check_model(body)) is not None:
+            return err
+        if tokenizer is None:
+            return error_response("this model has no tokenizer / chat template", 400)
+        try:
+            ids = tokenizer.encode_chat(body.message_dicts(), body.add_generation_prompt,
+                                        body.tools, **(body.chat_template_kwargs or {}))
+        except Exception as exc:  # a template error is the request's fault
+            return error_response(f"cannot apply the chat template: {exc}", 400, "messages")
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        return await _serve(raw, body, [ids], rid, "chat.completion", chat=True)
+
+    async def _serve(raw: Request, body, prompts: list[list[int]], rid: str, obj: str,
+                     chat: bool):
+        if chat:
+            n_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        else:
+            n_logprobs = body.logprobs
+        streams: list[AsyncIterator] = []
+        try:
+            for i, ids in enumerate(prompts):
+                params = body.sampling_params(default_max_tokens(len(ids)), n_logprobs)
+                gen = engine.generate(f"{rid}-{i}", ids, params, body.cache_salt)
+                streams.append(_prime(gen))
+                await streams[-1].__anext__()  # surfaces validation / overload errors now
+        except (ValueError, EngineOverloadedError, EngineDeadError) as exc:
+            for s in streams:
+                await s.aclose()
+            if isinstance(exc, EngineOverloadedError):
+                return error_response(f"server is overloaded: {exc}", 429, retry_after=1)
+            if isinstance(exc, EngineDeadError):
+                return error_response(str(exc), 503)
+            return error_response(str(exc), 400)
+        choices = [fmt.ChoiceState(i) for i in range(len(prompts))]
+        if body.stream:
+            events = _stream_events(streams, choices, body, rid, obj, chat)
+            return StreamingResponse(events, media_type="text/event-stream")
+        work = asyncio.ensure_future(_collect(streams, choices))
+        if not await _finished_before_disconnect(raw, work):
+            return Response(status_code=499)
+        return _full_response(choices, rid, obj, chat)
+
+    def _full_response(choices, rid, obj, chat) -> dict:
+        out = fmt.envelope(rid, obj, model_name)
+        items = []
+        for c in choices:
+            item = {"index": c.index, "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason}
+            if chat:
+                item["message"] = {"role": "assistant", "content": c.text}
+                item["logprobs"] = fmt.chat_logprobs(tokenizer, c.logprobs) if c.logprobs else None
+            else:
+                item["text"] = c.text
+                item["logprobs"] = (fmt.completion_logprobs(tokenizer, c.logprobs)
+                                    if c.logprobs else None)
+            items.append(item)
+        return {**out, "choices": items, "usage": fmt.usage(choices)}
+
+    async def _stream_events(streams, choices, body, rid, obj, chat):
+        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+        head = fmt.envelope(rid, chunk_obj, model_name)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        try:
+            if chat:
+                for c in choices:
+                    yield fmt.sse({**head, "choices": [{"index": c.index, "logprobs": None,
+                        "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+            async for i, out in _merge(streams):
+                c = choices[i]
+                c.add(out)
+                if not out.new_text and not out.finished and not out.new_logprobs:
+                    continue
+                item = {"index": i, "finish_reason": out.finish_reason if out.finished else None}
+                if out.finished:
+                    item["stop_reason"] = out.stop_reason
+                lps = out.new_logprobs or []
+                if chat:
+                    item["delta"] = {"content": out.new_text} if out.new_text or not out.finished else {}
+                    item["logprobs"] = fmt.chat_logprobs(tokenizer, lps) if lps else None
+                else:
+                    item["text"] = out.new_text
+                    item["logprobs"] = fmt.completion_logprobs(tokenizer, lps) if lps else None
+                yield fmt.sse({**head, "choices": [item]})
+            if include_usage:
+                yield fmt.sse({**head, "choices": [], "usage": fmt.usage(choices)})
+        except EngineDeadError as exc:
+            yield fmt.sse({"error": {"message": str(exc), "type": "ServiceUnavailableError",
+                                     "code": 503}})
+        finally:
+            for s in streams:
+                await s.aclose()
+        yield fmt.sse("[DONE]")
+
+    return app
+
+
+def _completion_prompts(prompt, tokenizer) -> list[list[int]]:
+    """Normalise the four OpenAI prompt forms to a list of token-id lists."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise ValueError("prompt must not be empty")
+    if all(isinstance(x, int) for x in prompt):
+        return [list(prompt)]
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise ValueError("this model has no tokenizer; send token ids")
+            out.append(tokenizer.encode(p))
+        elif isinstance(p, list) and p and all(isinstance(x, int) for x in p):
+            out.append(list(p))
+        else:
+            raise ValueError("prompt must be a string, a list of strings, or token ids")
+    return out
+
+
+async def _prime(gen: AsyncIterator):
+    """Wrap a generate() stream so its first await happens before the response starts."""
+    first = await gen.__anext__()
+    yield None  # primed: errors from the first step were raised above
+    try:
+        yield first
+        async for out in gen:
+            yield out
+    finally:
+        await gen.aclose()
+
+
+async def _merge(streams: list[AsyncIterator]):
+    """Interleave several output streams as (stream index, output)."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, s):
+        try:
+            async for out in s:
+                await queue.put((i, out))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
+            await queue.put((i, exc))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, out = await queue.get()
+            if out is None:
+                remaining -= 1
+            elif isinstance(out, BaseException):
+                raise out
+            else:
+                yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _collect(streams, choices) -> None:
+    async for i, out in _merge(streams):
+        choices[i].add(out)
+
+
+async def _finished_before_disconnect(raw: Request, work: asyncio.Future) -> bool:
+    """Wait for `work`; if the client goes away first, cancel it (aborting the requests)."""
+    while True:
+        done, _ = await asyncio.wait({work}, timeout=0.1)
+        if done:
+            work.result()
+            return True
+        if await raw.is_disconnected():
+            work.cancel()
+            return False

@@ -1,0 +1,60 @@
+"""Start real `sluice engine` processes on free loopback ports for tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EngineProcess:
+    def __init__(self, *args: str, log_path: Path | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "sluice.cli", "engine", "--port", str(self.port),
+               "--log-level", "warning", *args]
+        self.log_path = log_path or Path(f"/tmp/sluice-engine-{self.port}.log")
+        self._log = open(self.log_path, "w")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout: float = 120.0) -> "EngineProcess":
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine exited: {self.log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"engine not ready: {self.log_path.read_text()[-3000:]}")
+
+    def metric(self, name: str, label: str = "") -> float:
+        """Sum of a metric's samples in /metrics whose labels contain `label`."""
+        total = 0.0
+        for line in httpx.get(self.url + "/metrics", timeout=5).text.splitlines():
+            if (line.startswith(name + "{") or line.startswith(name + " ")) and label in line:
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
