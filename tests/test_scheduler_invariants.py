@@ -1,0 +1,114 @@
+"""Block-manager and scheduler invariants under random workloads (no model: tokens are random)."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sluice.engine.config import SchedulerConfig
+from sluice.engine.kv_cache_manager import KVCacheManager
+from sluice.engine.request import Request
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.scheduler import Scheduler
+
+workload = st.fixed_dictionaries({
+    "seed": st.integers(0, 2**16),
+    "block_size": st.sampled_from([1, 2, 4, 16]),
+    "num_blocks": st.integers(8, 64),
+    "budget": st.integers(1, 96),
+    "max_num_seqs": st.integers(1, 8),
+    "num_requests": st.integers(1, 12),
+    "abort_rate": st.floats(0.0, 0.2),
+    "prefix_caching": st.booleans(),
+})
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workload)
+def test_random_workload_keeps_invariants(w):
+    rng = random.Random(w["seed"])
+    bs = w["block_size"]
+    kv = KVCacheManager(w["num_blocks"], bs, w["prefix_caching"])
+    max_model_len = w["num_blocks"] * bs
+    sched = Scheduler(SchedulerConfig(max_num_seqs=w["max_num_seqs"],
+                                      max_num_batched_tokens=w["budget"]), kv, max_model_len)
+    prefixes = [[rng.randrange(100) for _ in range(rng.randint(1, 40))] for _ in range(3)]
+    live: dict[str, Request] = {}
+    finished: set[str] = set()
+    for i in range(w["num_requests"]):
+        prompt = (rng.choice(prefixes) + [rng.randrange(100) for _ in range(rng.randint(0, 20))])
+        prompt = prompt[: max_model_len - 1] or [1]
+        max_tokens = rng.randint(1, 20)
+        req = Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens))
+        live[req.request_id] = req
+        sched.add(req)
+
+    for _ in range(5000):
+        if not sched.has_unfinished():
+            break
+        if live and rng.random() < w["abort_rate"]:
+            rid = rng.choice(sorted(live))
+            sched.finish(live.pop(rid))
+            finished.add(rid)
+        out = sched.schedule()
+        assert out.num_tokens <= w["budget"]
+        assert len(sched.running) <= w["max_num_seqs"]
+        assert len({id(r) for r, _ in out.scheduled}) == len(out.scheduled)
+        for req, n in out.scheduled:
+            table = kv.block_table(req.request_id)
+            assert len(table) * bs >= req.num_computed_tokens + n, "slots missing for the step"
+            assert req.num_computed_tokens + n <= req.num_tokens
+        for req in out.preempted:
+            assert req.num_computed_tokens == 0 and not kv.block_table(req.request_id)
+        kv.check_invariants()
+        for req in sched.update_after_step(out):
+            req.token_ids.append(rng.randrange(100))
+            if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= max_model_len:
+                req.finish("length")
+                sched.finish(req)
+                live.pop(req.request_id)
+                finished.add(req.request_id)
+        kv.check_invariants()
+        held = set().union(*(kv.block_table(r.request_id) for r in sched.running))
+        assert len(held) + kv.num_free_blocks == kv.num_blocks
+    assert not sched.has_unfinished(), "every request finishes or is aborted"
+    assert finished == {f"r{i}" for i in range(w["num_requests"])}
+    assert kv.num_free_blocks == kv.num_blocks, "blocks leaked"
+    kv.check_invariants()
+
+
+def test_prefix_hit_revives_free_cached_blocks():
+    kv = KVCacheManager(8, 4, True)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv, 32)
+    a = Request("a", list(range(10)), SamplingParams(max_tokens=1))
+    sched.add(a)
+    out = sched.schedule()
+    sched.update_after_step(out)
+    sched.finish(a)
+    assert kv.num_free_blocks == 8 and len(kv.cached) == 2  # two full blocks stay cached
+    b = Request("b", list(range(9)) + [99], SamplingParams(max_tokens=1))
+    sched.add(b)
+    out = sched.schedule()
+    assert b.num_cached_tokens == 8 and out.scheduled == [(b, 2)]
+    assert out.num_prefix_hits == 8 and out.num_prefix_queries == 10
+    kv.check_invariants()
+
+
+def test_lru_eviction_emits_events():
+    kv = KVCacheManager(4, 2, True, record_events=True)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv, 8)
+    a = Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=1))
+    sched.add(a)
+    sched.update_after_step(sched.schedule())
+    sched.finish(a)
+    stored = kv.take_events()
+    assert len(stored) == 1 and stored[0].token_ids == [1, 2, 3, 4]
+    assert stored[0].parent_block_hash is None and len(stored[0].block_hashes) == 2
+    b = Request("b", [7, 8, 9, 10, 11, 12, 13], SamplingParams(max_tokens=1))
+    sched.add(b)
+    sched.schedule()
+    events = kv.take_events()
+    removed = [h for e in events if type(e).__name__ == "BlockRemoved" for h in e.block_hashes]
+    assert set(removed) == set(stored[0].block_hashes), "b needed every block: a's were evicted"
