@@ -1,0 +1,259 @@
+"""The gateway process: FastAPI app wiring discovery, index, load, routing, proxy.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (OpenAI-compatible,
+streamed through), GET /v1/models (every model of every pool), GET /health,
+GET /metrics. The request's `model` selects the pool. Bad input is answered
+OpenAI-shaped: malformed JSON / body -> 400, unknown model -> 404, body over
+`max_body_bytes` -> 413.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from sluice.gateway.discovery import Discovery
+from sluice.gateway.errors import error_response
+from sluice.gateway.event_feed import EventFeeder
+from sluice.gateway.health import HealthTracker
+from sluice.gateway.load import LoadScraper, LoadTable
+from sluice.gateway.local_index import LocalIndex, LocalIndexConfig
+from sluice.gateway.metrics import GatewayMetrics
+from sluice.gateway.prefix_index import PrefixIndex
+from sluice.gateway.prompt import PromptTokenizer
+from sluice.gateway.proxy import Proxy, ProxyConfig
+from sluice.gateway.redis_index import RedisIndex
+from sluice.gateway.registry import PodRegistry
+from sluice.gateway.routing.config import RoutingConfig
+from sluice.gateway.routing.router import Decision, Router
+
+log = logging.getLogger("sluice.gateway")
+
+_FORWARD_HEADERS = ("authorization", "accept", "x-request-id")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    local_index: LocalIndexConfig = field(default_factory=LocalIndexConfig)
+    redis_url: str | None = None
+    max_body_bytes: int = 10 * 1024 * 1024
+    scrape_interval_s: float = 0.15
+    load_ttl_ms: int = 1000
+    max_failures: int = 3
+    probe_interval_s: float = 1.0
+    redis_timeout_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        assert self.max_body_bytes > 0 and self.scrape_interval_s > 0 and self.load_ttl_ms > 0
+
+
+class Gateway:
+    def __init__(self, cfg: GatewayConfig, discovery: Discovery,
+                 tokenizer: PromptTokenizer | None = None) -> None:
+        self.cfg = cfg
+        self.discovery = discovery
+        self.tokenizer = tokenizer or PromptTokenizer({})
+        self.metrics = GatewayMetrics()
+        self.health = HealthTracker(cfg.max_failures, cfg.probe_interval_s)
+        self.loads = LoadTable(cfg.load_ttl_ms)
+        self.redis: RedisIndex | None = None
+        if cfg.redis_url:
+            import redis
+            import redis.asyncio as aredis
+            t = max(cfg.redis_timeout_s, 0.2)
+            self.redis = RedisIndex(
+                redis.Redis.from_url(cfg.redis_url, socket_timeout=t, socket_connect_timeout=t),
+                aredis.Redis.from_url(cfg.redis_url, socket_timeout=t,
+                                      socket_connect_timeout=t))
+        self.index = PrefixIndex(LocalIndex(cfg.local_index), self.redis, cfg.redis_timeout_s)
+        self.index.on_mode_change.append(self.metrics.set_mode)
+        self.metrics.set_mode(self.index.mode)
+        uses_events = cfg.routing.strategy == "kv_aware"
+        self.feeder = EventFeeder(self.index) if uses_events else None
+        self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=4096,
+                                                            max_keepalive_connections=512))
+        self.registry = PodRegistry(self.feeder, self.redis, self.loads, self.health,
+                                    self.client, cfg.probe_interval_s)
+        self.router = Router(cfg.routing, self.index, LocalIndex(cfg.local_index), self.loads,
+                             self.health.is_healthy, lambda p: self.proxy.inflight.get(p, 0),
+                             self.registry.block_size_of)
+        self.proxy = Proxy(cfg.proxy, self.client, self.health, self.metrics,
+                           self.registry.url_of)
+        self.scraper = LoadScraper(self.loads, self.redis, self.registry.active,
+                                   cfg.scrape_interval_s)
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        if self.feeder is not None:
+            self.feeder.start()
+        await self.discovery.start(self.registry.update)
+        self.scraper.start()
+        self._tasks.append(asyncio.get_running_loop().create_task(
+            self.health.probe_loop(self.client, self.registry.url_of)))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await self.discovery.stop()
+        await self.scraper.stop()
+        if self.feeder is not None:
+            await asyncio.to_thread(self.feeder.stop)
+        await self.client.aclose()
+        if self.redis is not None:
+            await self.redis.aio.aclose()
+            self.redis.sync.close()
+
+    # -- request path ----------------------------------------------------------------------
+    async def _read_body(self, request: Request) -> bytes | Response:
+        limit = self.cfg.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            return error_response(413, f"request body over {limit} bytes", "body_too_large")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                return error_response(413, f"request body over {limit} bytes",
+                                      "body_too_large")
+        return bytes(body)
+
+    async def handle(self, request: Request, kind: str) -> Response:
+        body = await self._read_body(request)
+        if isinstance(body, Response):
+            self.metrics.errors.labels("bad_request").inc()
+            return body
+        try:
+            data = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as err:
+            self.metrics.errors.labels("bad_request").inc()
+            return error_response(400, f"request body is not valid JSON: {err}", "invalid_json")
+        problem = _validate(kind, data)
+        if problem is not None:
+            self.metrics.errors.labels("bad_request").inc()
+            return error_response(400, problem[1], "invalid_request", problem[0])
+        model = data["model"]
+        if model not in self.registry.models():
+            self.metrics.errors.labels("unknown_model").inc()
+            return error_response(404, f"model {model!r} does not exist", "model_not_found",
+                                  "model")
+        started = time.perf_counter()
+        token_ids: list[int] | None = None
+        if self.cfg.routing.strategy in ("prefix", "kv_aware"):
+            try:
+                token_ids = self.tokenizer.token_ids(kind, data)
+            except Exception as err:  # the engine will reject it with its own message
+                log.debug("tokenization failed (%s); routing without prefix", err)
+        routed: list[Decision] = []
+
+        async def route(exclude: frozenset[str]) -> Decision | None:
+            d = await self.router.route(model, token_ids or [], self.registry.pods_for(model),
+                                        exclude)
+            if d is not None:
+                if not routed:
+                    self.metrics.route_seconds.observe(time.perf_counter() - started)
+                routed.append(d)
+                self.metrics.decisions.labels(d.strategy, d.pod).inc()
+                self.metrics.hit_blocks.labels(d.strategy).observe(d.hit_blocks)
+                if d.total_blocks:
+                    self.metrics.hit_ratio.labels(d.strategy).observe(
+                        d.hit_blocks / d.total_blocks)
+            return d
+
+        headers = {"content-type": "application/json"}
+        for name in _FORWARD_HEADERS:
+            if name in request.headers:
+                headers[name] = request.headers[name]
+        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        return await self.proxy.forward(path, body, headers, route)
+
+    def models_body(self) -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": m, "object": "model", "created": 0, "owned_by": "sluice",
+             "root": m, "parent": None} for m in self.registry.models()]}
+
+    def health_body(self) -> tuple[int, dict[str, Any]]:
+        pods = self.registry.active()
+        healthy = [p for p in pods if self.health.is_healthy(p)]
+        body = {"status": "ok" if healthy else "no_healthy_engines", "index": self.index.mode,
+                "pods": {p: self.health.is_healthy(p) for p in pods}}
+        return (200 if healthy else 503), body
+
+    def metrics_text(self) -> bytes:
+        pods = self.registry.active()
+        bad = sum(1 for p in pods if not self.health.is_healthy(p))
+        self.metrics.pods.labels("healthy").set(len(pods) - bad)
+        self.metrics.pods.labels("unhealthy").set(bad)
+        if self.feeder is not None:
+            self.metrics.event_batches.set(self.feeder.batches)
+        return generate_latest(self.metrics.registry)
+
+
+def _validate(kind: str, data: Any) -> tuple[str, str] | None:
+    """(param, message) of the first problem, or None."""
+    if not isinstance(data, dict):
+        return "body", "request body must be a JSON object"
+    if not isinstance(data.get("model"), str) or not data["model"]:
+        return "model", "'model' is required and must be a string"
+    if kind == "chat":
+        msgs = data.get("messages")
+        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
+            return "messages", "'messages' must be a non-empty list of objects"
+    elif not isinstance(data.get("prompt"), (str, list)):
+        return "prompt", "'prompt' is required (a string, a list of strings or token ids)"
+    if "stream" in data and not isinstance(data["stream"], bool):
+        return "stream", "'stream' must be a boolean"
+    return None
+
+
+def create_app(gateway: Gateway) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.stop()
+
+    app = FastAPI(title="sluice gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.gateway = gateway
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await gateway.handle(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await gateway.handle(request, "chat")
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse(gateway.models_body())
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        status, body = gateway.health_body()
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(gateway.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,84 @@
+"""`sluice gateway`: the KV-aware OpenAI gateway in front of engines."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from sluice.gateway.routing.config import STRATEGIES, RoutingConfig
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--engine", action="append", default=[], metavar="SPEC",
+                   help="static engine: URL[,events=tcp://h:5557][,replay=tcp://h:5558]"
+                        "[,model=NAME][,pool=P] (repeatable)")
+    p.add_argument("--discovery", choices=("static", "kubernetes"), default="static")
+    p.add_argument("--namespace", default="default", help="kubernetes: namespace to watch")
+    p.add_argument("--pool", default=None, help="kubernetes: only this InferencePool")
+    p.add_argument("--redis-url", default=None,
+                   help="shared index + load table (none: this replica's local view only)")
+    p.add_argument("--routing", choices=STRATEGIES, default="kv_aware")
+    p.add_argument("--tokenizer", action="append", default=[], metavar="[MODEL=]PATH",
+                   help="tokenizer + chat template source (HF folder or .gguf), repeatable")
+    d = RoutingConfig()
+    for name, help_text in (("w_prefix", "weight of the prefix-hit fraction"),
+                            ("w_queue", "weight of the queue score"),
+                            ("w_kv", "weight of the free-KV score"),
+                            ("imbalance_abs", "imbalance gate: absolute queue difference"),
+                            ("imbalance_rel", "imbalance gate: max / min queue ratio"),
+                            ("kv_ceiling", "KV usage at which a pod is skipped"),
+                            ("cold_spread", "score tolerance for spreading cold requests")):
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name),
+                       help=help_text)
+    p.add_argument("--speculative-ttl-ms", type=int, default=d.speculative_ttl_ms)
+    p.add_argument("--block-size", type=int, default=d.default_block_size,
+                   help="block size assumed until an engine reports its own")
+    p.add_argument("--max-body-bytes", type=int, default=10 * 1024 * 1024)
+    p.add_argument("--max-retries", type=int, default=2)
+    p.add_argument("--connect-timeout", type=float, default=2.0)
+    p.add_argument("--read-timeout", type=float, default=300.0)
+    p.add_argument("--scrape-interval", type=float, default=0.15)
+    p.add_argument("--load-ttl-ms", type=int, default=1000)
+    p.add_argument("--log-level", default="info")
+
+
+def build(args: argparse.Namespace):
+    """The FastAPI app for these arguments (also used by `sluice up`)."""
+    from sluice.gateway.app import Gateway, GatewayConfig, create_app
+    from sluice.gateway.discovery import StaticDiscovery, parse_engine_spec
+    from sluice.gateway.prompt import PromptTokenizer
+    from sluice.gateway.proxy import ProxyConfig
+
+    routing = RoutingConfig(
+        strategy=args.routing, w_prefix=args.w_prefix, w_queue=args.w_queue, w_kv=args.w_kv,
+        imbalance_abs=args.imbalance_abs, imbalance_rel=args.imbalance_rel,
+        kv_ceiling=args.kv_ceiling, cold_spread=args.cold_spread,
+        speculative_ttl_ms=args.speculative_ttl_ms, default_block_size=args.block_size)
+    cfg = GatewayConfig(routing=routing, redis_url=args.redis_url,
+                        proxy=ProxyConfig(args.max_retries, args.connect_timeout,
+                                          args.read_timeout),
+                        max_body_bytes=args.max_body_bytes,
+                        scrape_interval_s=args.scrape_interval, load_ttl_ms=args.load_ttl_ms)
+    if args.discovery == "kubernetes":
+        from sluice.gateway.k8s_discovery import KubernetesDiscovery
+        discovery = KubernetesDiscovery(args.namespace, args.pool)
+    else:
+        if not args.engine:
+            raise SystemExit("sluice gateway: give at least one --engine (or --discovery "
+                             "kubernetes)")
+        discovery = StaticDiscovery([parse_engine_spec(s) for s in args.engine])
+    tokenizer = PromptTokenizer.from_paths(args.tokenizer)
+    return create_app(Gateway(cfg, discovery, tokenizer))
+
+
+def main(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = build(args)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                access_log=False)
+    return 0

@@ -1,0 +1,66 @@
+"""Where the engines are: one interface, a static list or Kubernetes.
+
+A `Discovery` calls `on_change(endpoints)` with the full current set whenever
+it changes (and once at start). An `Endpoint` is one engine pod.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+from urllib.parse import urlparse
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    pod: str                       # "host:port" of the HTTP server: the pod id everywhere
+    url: str                       # "http://host:port"
+    model: str | None              # served model name; None: read from its /v1/models
+    pool: str = "default"
+    namespace: str = "default"
+    events: str | None = None      # KV-event PUB endpoint, e.g. "tcp://host:5557"
+    replay: str | None = None      # KV-event replay ROUTER endpoint
+
+
+OnChange = Callable[[list[Endpoint]], None]
+
+
+class Discovery(Protocol):
+    async def start(self, on_change: OnChange) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+def parse_engine_spec(spec: str) -> Endpoint:
+    """`URL[,events=tcp://h:p][,replay=tcp://h:p][,model=NAME][,pool=P]`.
+
+    Without `events`, the engine has no KV-event feed (kv_aware then knows only
+    speculative entries for it)."""
+    url, *opts = [s.strip() for s in spec.split(",")]
+    if "://" not in url:
+        url = "http://" + url
+    parsed = urlparse(url)
+    if not parsed.hostname or not parsed.port:
+        raise ValueError(f"engine URL needs host:port: {spec!r}")
+    kv: dict[str, str] = {}
+    for opt in opts:
+        key, sep, value = opt.partition("=")
+        if not sep or key not in ("events", "replay", "model", "pool"):
+            raise ValueError(f"bad engine option {opt!r} in {spec!r}")
+        kv[key] = value
+    return Endpoint(pod=f"{parsed.hostname}:{parsed.port}", url=url.rstrip("/"),
+                    model=kv.get("model"), pool=kv.get("pool", "default"),
+                    events=kv.get("events"), replay=kv.get("replay"))
+
+
+class StaticDiscovery:
+    def __init__(self, endpoints: list[Endpoint]) -> None:
+        pods = [e.pod for e in endpoints]
+        assert len(set(pods)) == len(pods), "duplicate engine"
+        self.endpoints = list(endpoints)
+
+    async def start(self, on_change: OnChange) -> None:
+        on_change(list(self.endpoints))
+
+    async def stop(self) -> None:
+        return None

@@ -1,0 +1,40 @@
+"""The gateway's own Prometheus metrics (served on its /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LAT = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.decisions = Counter("sluice_gateway_routing_decisions", "Routing decisions",
+                                 ["strategy", "pod"], registry=r)
+        self.hit_blocks = Histogram("sluice_gateway_predicted_hit_blocks",
+                                    "Predicted prefix-hit blocks of routed requests",
+                                    ["strategy"], registry=r,
+                                    buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
+        self.hit_ratio = Histogram("sluice_gateway_predicted_hit_ratio",
+                                   "Predicted hit blocks / prompt blocks", ["strategy"],
+                                   registry=r, buckets=(0, .1, .25, .5, .75, .9, .95, 1))
+        self.route_seconds = Histogram("sluice_gateway_routing_seconds",
+                                       "Tokenize + index lookup + scoring", registry=r,
+                                       buckets=_LAT)
+        self.ttfb = Histogram("sluice_gateway_upstream_first_byte_seconds",
+                              "Upstream time to first byte", ["pod"], registry=r, buckets=_LAT)
+        self.upstream = Histogram("sluice_gateway_upstream_seconds",
+                                  "Upstream request duration", ["pod"], registry=r, buckets=_LAT)
+        self.errors = Counter("sluice_gateway_errors", "Errors by kind", ["kind"], registry=r)
+        self.retries = Counter("sluice_gateway_retries", "Retries on another pod", registry=r)
+        self.index_mode = Gauge("sluice_gateway_index_mode",
+                                "1 for the index mode in use (redis / local / local_only)",
+                                ["mode"], registry=r)
+        self.pods = Gauge("sluice_gateway_pods", "Known engine pods", ["state"], registry=r)
+        self.event_batches = Gauge("sluice_gateway_kv_event_batches",
+                                   "KV event batches applied", registry=r)
+
+    def set_mode(self, mode: str) -> None:
+        for m in ("redis", "local", "local_only"):
+            self.index_mode.labels(m).set(1 if m == mode else 0)

@@ -1,0 +1,48 @@
+"""Token ids of a request's prompt, exactly as the engine computes them.
+
+Chat: the model's chat template rendered and encoded without special tokens
+(`Tokenizer.encode_chat`, shared with the engine); completions: `encode(prompt)`
+with special tokens, or the token ids given. No tokenizer for a model: None
+(routing then has no prefix information for it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sluice.tokenizer import Tokenizer
+
+
+class PromptTokenizer:
+    def __init__(self, by_model: dict[str, Tokenizer], default: Tokenizer | None = None) -> None:
+        self.by_model = dict(by_model)
+        self.default = default
+
+    @classmethod
+    def from_paths(cls, specs: list[str]) -> "PromptTokenizer":
+        """Each spec is `PATH` (any model) or `MODEL=PATH`."""
+        by_model, default = {}, None
+        for spec in specs:
+            name, sep, path = spec.partition("=")
+            if sep:
+                by_model[name] = Tokenizer.from_path(path)
+            else:
+                default = Tokenizer.from_path(spec)
+        return cls(by_model, default)
+
+    def token_ids(self, kind: str, body: dict[str, Any]) -> list[int] | None:
+        tok = self.by_model.get(body.get("model", ""), self.default)
+        if kind == "chat":
+            if tok is None:
+                return None
+            kwargs = dict(body.get("chat_template_kwargs") or {})
+            return tok.encode_chat(body["messages"],
+                                   add_generation_prompt=body.get("add_generation_prompt", True),
+                                   tools=body.get("tools"), **kwargs)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch: route on its first prompt
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        if isinstance(prompt, str) and tok is not None:
+            return tok.encode(prompt)
+        return None

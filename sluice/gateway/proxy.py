@@ -1,0 +1,147 @@
+"""Forward one request to an engine and stream its answer back, chunk by chunk.
+
+Failure handling:
+- connect error, 5xx or 429 before the first byte: the pod is skipped and the
+  request re-routed to the next best pod, at most `max_retries` times (connect
+  errors and 5xx count toward the pod's unhealthy mark; 429 does not);
+- read timeout before the first byte: 504, not retried (the engine may still
+  be working on it);
+- no pod left: 503;
+- the pod dies mid-stream: an SSE response gets an OpenAI-shaped error event
+  and ends; a plain body just ends (its status is already sent);
+- client disconnect: Starlette cancels the body iterator, whose `finally`
+  closes the upstream response, so the engine sees the disconnect and aborts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Callable
+
+import httpx
+from fastapi.responses import Response, StreamingResponse
+
+from sluice.gateway.errors import error_response, sse_error
+from sluice.gateway.health import HealthTracker
+from sluice.gateway.metrics import GatewayMetrics
+from sluice.gateway.routing.router import Decision
+
+log = logging.getLogger("sluice.gateway.proxy")
+
+RouteFn = Callable[[frozenset[str]], Awaitable[Decision | None]]
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    max_retries: int = 2
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 300.0   # before the first byte and between chunks
+
+    def __post_init__(self) -> None:
+        assert self.max_retries >= 0 and self.connect_timeout_s > 0 and self.read_timeout_s > 0
+
+
+class Proxy:
+    def __init__(self, cfg: ProxyConfig, client: httpx.AsyncClient, health: HealthTracker,
+                 metrics: GatewayMetrics, url_of: Callable[[str], str | None]) -> None:
+        self.cfg = cfg
+        self.client = client
+        self.health = health
+        self.metrics = metrics
+        self.url_of = url_of
+        self.inflight: dict[str, int] = {}
+        self.timeout = httpx.Timeout(connect=cfg.connect_timeout_s, read=cfg.read_timeout_s,
+                                     write=cfg.read_timeout_s, pool=cfg.connect_timeout_s)
+
+    async def forward(self, path: str, body: bytes, headers: dict[str, str],
+                      route: RouteFn) -> Response:
+        tried: set[str] = set()
+        last_error = "no healthy engine for this model"
+        for attempt in range(self.cfg.max_retries + 1):
+            decision = await route(frozenset(tried))
+            if decision is None:
+                break
+            pod = decision.pod
+            url = self.url_of(pod)
+            if url is None:
+                tried.add(pod)
+                continue
+            if attempt:
+                self.metrics.retries.inc()
+            tried.add(pod)
+            self.inflight[pod] = self.inflight.get(pod, 0) + 1
+            started = time.perf_counter()
+            try:
+                req = self.client.build_request("POST", url + path, content=body,
+                                                headers=headers, timeout=self.timeout)
+                resp = await self.client.send(req, stream=True)
+            except httpx.TimeoutException as err:
+                self._done(pod)
+                if isinstance(err, httpx.ConnectTimeout):
+                    self._failed(pod, "connect_timeout")
+                    last_error = f"engine {pod} did not accept the connection"
+                    continue
+                self.metrics.errors.labels("upstream_timeout").inc()
+                return error_response(504, f"engine {pod} did not answer in time", "timeout")
+            except httpx.HTTPError as err:
+                self._done(pod)
+                self._failed(pod, "connect")
+                last_error = f"engine {pod} unreachable: {type(err).__name__}"
+                continue
+            if resp.status_code >= 500 or resp.status_code == 429:
+                text = (await resp.aread())[:500].decode(errors="replace")
+                await resp.aclose()
+                self._done(pod)
+                if resp.status_code == 429:
+                    self.metrics.errors.labels("upstream_429").inc()
+                else:
+                    self._failed(pod, "upstream_5xx")
+                last_error = f"engine {pod} answered {resp.status_code}: {text}"
+                continue
+            self.health.success(pod)
+            self.metrics.ttfb.labels(pod).observe(time.perf_counter() - started)
+            return self._stream(resp, decision, started)
+        self.metrics.errors.labels("no_pod").inc()
+        return error_response(503, last_error, "service_unavailable",
+                              headers={"retry-after": "1"})
+
+    def _done(self, pod: str) -> None:
+        n = self.inflight.get(pod, 1) - 1
+        if n <= 0:
+            self.inflight.pop(pod, None)
+        else:
+            self.inflight[pod] = n
+
+    def _failed(self, pod: str, kind: str) -> None:
+        self.metrics.errors.labels(kind).inc()
+        self.health.failure(pod)
+
+    def _stream(self, resp: httpx.Response, d: Decision, started: float) -> StreamingResponse:
+        sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in resp.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError as err:
+                self.metrics.errors.labels("mid_stream").inc()
+                self.health.failure(d.pod)
+                log.warning("engine %s failed mid-stream: %s", d.pod, type(err).__name__)
+                if sse:
+                    yield sse_error(502, f"engine {d.pod} failed mid-stream: "
+                                         f"{type(err).__name__}", "upstream_error")
+            finally:
+                await resp.aclose()
+                self._done(d.pod)
+                self.metrics.upstream.labels(d.pod).observe(time.perf_counter() - started)
+
+        headers = {"x-sluice-pod": d.pod, "x-sluice-prefix-hit-blocks": str(d.hit_blocks),
+                   "x-sluice-prompt-blocks": str(d.total_blocks),
+                   "x-sluice-strategy": d.strategy, "x-sluice-index": d.index_mode}
+        for name in ("content-encoding", "x-request-id"):
+            if name in resp.headers:
+                headers[name] = resp.headers[name]
+        return StreamingResponse(body(), status_code=resp.status_code, headers=headers,
+                                 media_type=resp.headers.get("content-type"))

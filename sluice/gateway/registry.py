@@ -1,0 +1,106 @@
+"""The engine pods the gateway knows, by model (= pool), and what follows from
+a change: event feed subscriptions, Redis pod meta, health and load cleanup.
+
+Endpoints whose model is not given are asked for it (`GET /v1/models`, retried
+each `probe_interval_s` while the endpoint exists)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import httpx
+
+from sluice.gateway.discovery import Endpoint
+from sluice.gateway.event_feed import EventFeeder, EventSource
+from sluice.gateway.health import HealthTracker
+from sluice.gateway.load import LoadTable
+
+log = logging.getLogger("sluice.gateway.registry")
+
+
+class PodRegistry:
+    def __init__(self, feeder: EventFeeder | None, redis_index: Any, loads: LoadTable,
+                 health: HealthTracker, client: httpx.AsyncClient,
+                 probe_interval_s: float = 1.0) -> None:
+        self.feeder = feeder
+        self.redis = redis_index
+        self.loads = loads
+        self.health = health
+        self.client = client
+        self.probe_interval_s = probe_interval_s
+        self._endpoints: dict[str, Endpoint] = {}   # every discovered pod
+        self._models: dict[str, list[str]] = {}     # pod -> its served models (active pods)
+        self._pending: dict[str, asyncio.Task] = {}
+
+    # -- queries ---------------------------------------------------------------------------
+    def pods_for(self, model: str) -> list[str]:
+        return [p for p, models in self._models.items() if model in models]
+
+    def models(self) -> list[str]:
+        return sorted({m for models in self._models.values() for m in models})
+
+    def url_of(self, pod: str) -> str | None:
+        ep = self._endpoints.get(pod)
+        return None if ep is None else ep.url
+
+    def active(self) -> dict[str, str]:
+        """{pod: base URL} of pods with a known model (scraped for load)."""
+        return {p: self._endpoints[p].url for p in self._models}
+
+    def block_size_of(self, pod: str) -> int | None:
+        m = self.loads.metrics(pod)
+        return None if m is None else m.block_size
+
+    # -- changes ---------------------------------------------------------------------------
+    def update(self, endpoints: list[Endpoint]) -> None:
+        new = {e.pod: e for e in endpoints}
+        for pod in list(self._endpoints):
+            if pod not in new or new[pod] != self._endpoints[pod]:
+                self._remove(pod)
+        for pod, ep in new.items():
+            if pod not in self._endpoints:
+                self._endpoints[pod] = ep
+                if ep.model is not None:
+                    self._activate(ep, [ep.model])
+                else:
+                    self._pending[pod] = asyncio.get_running_loop().create_task(
+                        self._learn_models(ep))
+
+    def _remove(self, pod: str) -> None:
+        log.info("engine %s removed", pod)
+        self._endpoints.pop(pod, None)
+        self._models.pop(pod, None)
+        task = self._pending.pop(pod, None)
+        if task is not None:
+            task.cancel()
+        if self.feeder is not None:
+            self.feeder.remove(pod)
+        self.loads.drop(pod)
+        self.health.forget(pod)
+
+    def _activate(self, ep: Endpoint, models: list[str]) -> None:
+        log.info("engine %s serves %s (pool %s/%s, events %s)", ep.pod, ",".join(models),
+                 ep.namespace, ep.pool, ep.events or "none")
+        self._models[ep.pod] = models
+        if self.feeder is not None and ep.events:
+            self.feeder.add(EventSource(ep.pod, models[0], ep.events, ep.replay))
+        if self.redis is not None:
+            try:
+                self.redis.register_pod(ep.pod, ep.namespace, ep.pool, models[0])
+            except Exception as err:  # Redis down: the index notices; meta is best effort
+                log.warning("could not register %s in redis: %s", ep.pod, err)
+
+    async def _learn_models(self, ep: Endpoint) -> None:
+        while True:
+            try:
+                resp = await self.client.get(ep.url + "/v1/models", timeout=2.0)
+                ids = [m["id"] for m in resp.json().get("data", [])]
+                if resp.status_code == 200 and ids:
+                    self._pending.pop(ep.pod, None)
+                    self._activate(ep, ids)
+                    return
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                pass
+            await asyncio.sleep(self.probe_interval_s)

@@ -1,0 +1,205 @@
+"""Gateway proxy behaviour against small fake OpenAI-compatible upstreams
+(the engine is not the subject here: failure modes are scripted)."""
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine_server import free_port
+from sluice.gateway.app import Gateway, GatewayConfig, create_app
+from sluice.gateway.discovery import Endpoint, StaticDiscovery
+from sluice.gateway.proxy import ProxyConfig
+from sluice.gateway.routing.config import RoutingConfig
+
+
+class Server:
+    """uvicorn on a free loopback port, in a thread."""
+
+    def __init__(self, app):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
+                                                    log_level="error", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 10
+        while not self.server.started:
+            assert time.time() < deadline
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def fake_engine(mode, state):
+    """mode: ok | error500 | die_midstream | slow."""
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return JSONResponse({}, status_code=200 if mode != "error500" else 500)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.get("model", "m"), "object": "model"}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return StreamingResponse(iter([b"vllm:num_requests_waiting{model_name=\"m\"} 0\n"]))
+
+    @app.post("/v1/completions")
+    @app.post("/v1/chat/completions")
+    async def complete(request: Request):
+        body = await request.json()
+        state["calls"] = state.get("calls", 0) + 1
+        if mode == "error500":
+            return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+        if not body.get("stream"):
+            return {"id": "x", "object": "text_completion", "model": body["model"],
+                    "choices": [{"index": 0, "text": "hello", "finish_reason": "stop"}]}
+
+        async def gen():
+            try:
+                for i in range(50 if mode == "slow" else 3):
+                    chunk = {"id": "x", "object": "text_completion",
+                             "choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}]}
+                    yield f"data: {json.dumps(chunk)}\n\n".encode()
+                    await asyncio.sleep(0.3 if mode in ("slow", "ok") else 0.05)
+                    if mode == "die_midstream" and i == 1:
+                        raise RuntimeError("engine died")
+                yield b"data: [DONE]\n\n"
+            finally:
+                state["closed_at"] = time.time()
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    return app
+
+
+def gateway_app(upstreams, strategy="round_robin", **cfg):
+    """`upstreams`: (Server or a bare port, model) pairs."""
+    eps = []
+    for u, m in upstreams:
+        port = u if isinstance(u, int) else u.port
+        eps.append(Endpoint(pod=f"127.0.0.1:{port}", url=f"http://127.0.0.1:{port}", model=m,
+                            pool=m))
+    config = GatewayConfig(routing=RoutingConfig(strategy=strategy), max_body_bytes=4096,
+                           proxy=ProxyConfig(max_retries=2, connect_timeout_s=1,
+                                             read_timeout_s=5), probe_interval_s=0.2, **cfg)
+    return create_app(Gateway(config, StaticDiscovery(eps)))
+
+
+def post(url, body, **kw):
+    return httpx.post(url + "/v1/completions", content=body if isinstance(body, bytes)
+                      else json.dumps(body), timeout=10, **kw)
+
+
+def test_bad_input_is_openai_shaped():
+    st = {}
+    with Server(fake_engine("ok", st)) as up, Server(gateway_app([(up, "m")])) as gw:
+        cases = [(b"{not json", 400), (json.dumps({"prompt": "x"}).encode(), 400),
+                 (json.dumps([1, 2]).encode(), 400),
+                 (json.dumps({"model": "nope", "prompt": "x"}).encode(), 404),
+                 (json.dumps({"model": "m", "prompt": "x" * 5000}).encode(), 413)]
+        for body, status in cases:
+            r = post(gw.url, body)
+            assert r.status_code == status, (body[:30], r.text)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["message"]
+        chat = httpx.post(gw.url + "/v1/chat/completions", json={"model": "m", "messages": []})
+        assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
+        assert httpx.get(gw.url + "/nope").json()["error"]["type"]
+        assert st.get("calls", 0) == 0
+
+
+def test_5xx_and_connect_errors_retry_then_mark_unhealthy():
+    st_bad, st_ok = {}, {}
+    dead_port = free_port()  # nothing listens there: connect errors
+    with Server(fake_engine("error500", st_bad)) as bad, \
+            Server(fake_engine("ok", st_ok)) as ok:
+        with Server(gateway_app([(bad, "m"), (dead_port, "m"), (ok, "m")])) as gw:
+            for _ in range(4):
+                r = post(gw.url, {"model": "m", "prompt": "hi"})
+                assert r.status_code == 200 and r.json()["choices"][0]["text"] == "hello"
+                assert r.headers["x-sluice-pod"] == f"127.0.0.1:{ok.port}"
+            health = httpx.get(gw.url + "/health").json()
+            assert health["pods"][f"127.0.0.1:{bad.port}"] is False
+            assert health["pods"][f"127.0.0.1:{ok.port}"] is True
+            calls = st_bad["calls"]
+            post(gw.url, {"model": "m", "prompt": "hi"})
+            assert st_bad["calls"] == calls  # unhealthy: no longer tried
+            metrics = httpx.get(gw.url + "/metrics").text
+            assert 'sluice_gateway_errors_total{kind="upstream_5xx"}' in metrics
+            assert "sluice_gateway_retries_total" in metrics
+
+
+def test_no_pod_left_is_503():
+    st = {}
+    with Server(fake_engine("error500", st)) as bad, Server(gateway_app([(bad, "m")])) as gw:
+        r = post(gw.url, {"model": "m", "prompt": "hi"})
+        assert r.status_code == 503
+        assert r.json()["error"]["type"] == "service_unavailable"
+
+
+def test_stream_is_passed_through_chunk_by_chunk():
+    st = {}
+    with Server(fake_engine("ok", st)) as up, Server(gateway_app([(up, "m")])) as gw:
+        t0 = time.time()
+        arrivals = []
+        with httpx.stream("POST", gw.url + "/v1/completions",
+                          json={"model": "m", "prompt": "hi", "stream": True}) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    arrivals.append(time.time() - t0)
+        assert len(arrivals) == 4
+        assert arrivals[0] < 0.25 and arrivals[-1] > 0.8  # not buffered
+
+
+def test_upstream_death_mid_stream_ends_with_error_event():
+    st = {}
+    with Server(fake_engine("die_midstream", st)) as up, \
+            Server(gateway_app([(up, "m")])) as gw:
+        events = []
+        with httpx.stream("POST", gw.url + "/v1/completions",
+                          json={"model": "m", "prompt": "hi", "stream": True}, timeout=10) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+        assert len(events) == 3
+        assert json.loads(events[-1])["error"]["code"] == "upstream_error"
+
+
+def test_client_disconnect_cancels_upstream():
+    st = {}
+    with Server(fake_engine("slow", st)) as up, Server(gateway_app([(up, "m")])) as gw:
+        with httpx.stream("POST", gw.url + "/v1/completions",
+                          json={"model": "m", "prompt": "hi", "stream": True}) as r:
+            next(r.iter_lines())
+            left = time.time()
+        deadline = time.time() + 5
+        while "closed_at" not in st and time.time() < deadline:
+            time.sleep(0.05)
+        assert "closed_at" in st and st["closed_at"] - left < 3  # 50 chunks would take 15 s
+
+
+def test_models_from_every_pool():
+    sa, sb = {"model": "alpha"}, {"model": "beta"}
+    with Server(fake_engine("ok", sa)) as a, Server(fake_engine("ok", sb)) as b, \
+            Server(gateway_app([(a, "alpha"), (b, "beta")], strategy="least_load")) as gw:
+        ids = [m["id"] for m in httpx.get(gw.url + "/v1/models").json()["data"]]
+        assert ids == ["alpha", "beta"]
+        r = post(gw.url, {"model": "beta", "prompt": "x"})
+        assert r.headers["x-sluice-pod"] == f"127.0.0.1:{b.port}"
+        assert r.headers["x-sluice-strategy"] == "least_load"
