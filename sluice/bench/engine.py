@@ -1,0 +1,99 @@
+"""`sluice bench engine`: offline throughput (nano-vllm workload) and latency (TTFT / TPOT).
+
+Throughput: N sequences with random prompt and output lengths uniform in
+[min-len, max-len] (seed-fixed, ignore_eos), all submitted at once; prints
+output and total tokens/s. Latency: one batch of fixed prompt/output lengths;
+TTFT is the prefill step, TPOT the mean decode step after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+
+from sluice.engine.cli import add_arguments as add_engine_arguments
+from sluice.engine.cli import engine_config
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_arguments(p)
+    p.add_argument("--mode", choices=["throughput", "latency"], default="throughput")
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--min-len", type=int, default=100)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--input-len", type=int, default=512, help="latency mode")
+    p.add_argument("--output-len", type=int, default=128, help="latency mode")
+    p.add_argument("--batch-size", type=int, default=1, help="latency mode")
+    p.add_argument("--output-json", default=None)
+
+
+def workload(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output length) pairs of the nano-vllm benchmark."""
+    rng = random.Random(seed)
+    return [([rng.randrange(vocab) for _ in range(rng.randint(lo, hi))], rng.randint(lo, hi))
+            for _ in range(n)]
+
+
+def run_throughput(llm, args) -> dict:
+    from sluice.engine.sampling_params import SamplingParams
+
+    reqs = workload(args.num_seqs, args.min_len, args.max_len, llm.model.config.vocab_size,
+                    args.seed)
+    reqs = [(p[: llm.max_model_len - o], o) for p, o in reqs]
+    params = [SamplingParams(max_tokens=o, temperature=0.6, ignore_eos=True, seed=i)
+              for i, (_, o) in enumerate(reqs)]
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate([p for p, _ in reqs], params)
+    elapsed = time.perf_counter() - start
+    n_out = sum(len(o) for o in outs)
+    n_in = sum(len(p) for p, _ in reqs)
+    assert n_out == sum(o for _, o in reqs), "ignore_eos: every request runs to its length"
+    return {"elapsed_s": elapsed, "prompt_tokens": n_in, "output_tokens": n_out,
+            "output_tok_s": n_out / elapsed, "total_tok_s": (n_in + n_out) / elapsed,
+            "preemptions": llm.scheduler.num_preemptions_total}
+
+
+def run_latency(llm, args) -> dict:
+    from sluice.engine.sampling_params import SamplingParams
+
+    rng = random.Random(args.seed)
+    vocab = llm.model.config.vocab_size
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # warm-up
+    for i in range(args.batch_size):
+        llm.add_request(f"lat-{i}", [rng.randrange(vocab) for _ in range(args.input_len)], params)
+    step_times = []
+    first_token_s = None
+    start = time.perf_counter()
+    while llm.has_unfinished():
+        t0 = time.perf_counter()
+        outs = llm.step()
+        step_times.append(time.perf_counter() - t0)
+        if first_token_s is None and outs:
+            first_token_s = time.perf_counter() - start
+    decode = step_times[-(args.output_len - 1):] if args.output_len > 1 else []
+    tpot = sum(decode) / len(decode) if decode else 0.0
+    return {"ttft_ms": first_token_s * 1e3, "tpot_ms": tpot * 1e3,
+            "batch_size": args.batch_size, "input_len": args.input_len,
+            "output_len": args.output_len}
+
+
+def main(args: argparse.Namespace) -> int:
+    from sluice.engine.llm_engine import LLMEngine
+
+    config = engine_config(args)
+    llm = LLMEngine(config)
+    result = run_throughput(llm, args) if args.mode == "throughput" else run_latency(llm, args)
+    result.update(mode=args.mode, model=config.model, dtype=str(llm.dtype),
+                  device=str(llm.device), machine=platform.processor() or platform.machine(),
+                  date=time.strftime("%Y-%m-%d"))
+    for key, value in result.items():
+        print(f"{key:>16}: {value:.2f}" if isinstance(value, float) else f"{key:>16}: {value}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
