@@ -1,0 +1,161 @@
+"""The gateway in front of real engine processes (tiny model), with a real redis-server."""
+
+import concurrent.futures as cf
+import json
+import time
+
+import httpx
+import openai
+import pytest
+import redis
+
+from gateway_stack import ThreadServer, engine_with_events
+from redis_server import RedisServer
+from sluice import index_keys as ik
+from sluice.gateway.app import Gateway, GatewayConfig, create_app
+from sluice.gateway.discovery import StaticDiscovery, parse_engine_spec
+from sluice.gateway.prompt import PromptTokenizer
+from sluice.gateway.routing.config import RoutingConfig
+
+MODEL = "tiny-chat"
+SYSTEM = ("You are a meticulous assistant. " * 30).strip()
+
+
+def chat(i, system=SYSTEM):
+    return [{"role": "system", "content": system},
+            {"role": "user", "content": f"Question number {i}: name a colour."}]
+
+
+@pytest.fixture(scope="module")
+def redis_srv():
+    with RedisServer() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_chat_model):
+    started = [engine_with_events(str(tiny_chat_model), MODEL) for _ in range(2)]
+    for proc, _ in started:
+        proc.wait_ready()
+    yield started
+    for proc, _ in started:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(engines, redis_srv, tiny_chat_model):
+    # No speculative entries: every prefix hit below comes from the engines' events.
+    cfg = GatewayConfig(routing=RoutingConfig(strategy="kv_aware", speculative_ttl_ms=0),
+                        redis_url=redis_srv.url, redis_timeout_s=0.2)
+    gw = Gateway(cfg, StaticDiscovery([parse_engine_spec(s) for _, s in engines]),
+                 PromptTokenizer.from_paths([str(tiny_chat_model)]))
+    with ThreadServer(create_app(gw)) as server:
+        deadline = time.time() + 20
+        while httpx.get(server.url + "/v1/models").json()["data"] == [] or \
+                len(gw.loads.fresh(time.time() * 1000)) < 2:
+            assert time.time() < deadline
+            time.sleep(0.1)
+        server.gw = gw
+        yield server
+
+
+def complete(url, messages, max_tokens=4):
+    r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_openai_sdk_streams_through_gateway(gateway):
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    stream = client.chat.completions.create(model=MODEL, messages=chat(0), max_tokens=8,
+                                            stream=True, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text and chunks[-1].choices[0].finish_reason == "length"
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=chat(0),
+                                                           max_tokens=2)
+    assert raw.headers["x-sluice-strategy"] == "kv_aware"
+    assert raw.headers["x-sluice-pod"] in [s.split("//")[1] for s in gateway.gw.registry.active()
+                                          .values()]
+
+
+def test_gateway_and_engine_agree_on_token_ids(gateway):
+    """Event-fed hits can only match when the gateway's chat-template rendering and
+    tokenization equal the engine's for every full block."""
+    messages = chat(1, system="A different system prompt, long enough. " * 20)
+    ids = gateway.gw.tokenizer.token_ids("chat", {"model": MODEL, "messages": messages})
+    first = complete(gateway.url, messages)
+    assert first.json()["usage"]["prompt_tokens"] == len(ids)
+    assert first.headers["x-sluice-prefix-hit-blocks"] == "0"
+    time.sleep(0.5)  # events reach the index
+    second = complete(gateway.url, messages)
+    assert second.headers["x-sluice-pod"] == first.headers["x-sluice-pod"]
+    assert int(second.headers["x-sluice-prefix-hit-blocks"]) == len(ids) // 16
+
+
+def test_shared_prefix_sticks_to_the_pod_that_holds_it(gateway):
+    system = "Shared instructions for the whole group of users. " * 12
+    pods = {complete(gateway.url, chat(100, system)).headers["x-sluice-pod"]}
+    time.sleep(0.5)
+    for i in range(101, 106):
+        r = complete(gateway.url, chat(i, system))
+        pods.add(r.headers["x-sluice-pod"])
+        assert int(r.headers["x-sluice-prefix-hit-blocks"]) > 0
+    assert len(pods) == 1
+
+
+def test_loads_are_shared_in_redis_with_ttl(gateway, redis_srv):
+    r = redis.Redis(port=redis_srv.port)
+    for pod in gateway.gw.registry.active():
+        row = ik.parse_load(r.hgetall(ik.load_key(pod)))
+        assert row is not None and 0 <= row["kv_usage"] <= 1
+        assert 0 < r.pttl(ik.load_key(pod)) <= 1000
+        assert r.hget(ik.pod_meta_key(pod), "block_size") == b"16"
+
+
+def test_redis_killed_mid_run_falls_back_and_recovers(gateway, redis_srv):
+    def ok(i):
+        return complete(gateway.url, chat(200 + i)).status_code == 200
+
+    redis_srv.stop()
+    try:
+        with cf.ThreadPoolExecutor(4) as pool:
+            assert all(pool.map(ok, range(8)))
+        metrics = httpx.get(gateway.url + "/metrics").text
+        assert 'sluice_gateway_index_mode{mode="local"} 1.0' in metrics
+        assert httpx.get(gateway.url + "/health").json()["index"] == "local"
+    finally:
+        redis_srv.start()
+    deadline = time.time() + 10
+    while httpx.get(gateway.url + "/health").json()["index"] != "redis":
+        assert time.time() < deadline
+        time.sleep(0.1)
+    r = redis.Redis(port=redis_srv.port)
+    assert sum(r.scard(ik.pod_keys_key(p)) for p in gateway.gw.registry.active()) > 0
+    assert ok(300)
+
+
+def test_engine_killed_mid_stream_ends_stream_with_error(tiny_chat_model):
+    proc, spec = engine_with_events(str(tiny_chat_model), MODEL, "--max-num-seqs", "4")
+    proc.wait_ready()
+    gw = Gateway(GatewayConfig(routing=RoutingConfig(strategy="round_robin")),
+                 StaticDiscovery([parse_engine_spec(spec)]))
+    try:
+        with ThreadServer(create_app(gw)) as server:
+            events = []
+            t0 = time.time()
+            with httpx.stream("POST", server.url + "/v1/completions", timeout=30, json={
+                    "model": MODEL, "prompt": "Once upon a time", "max_tokens": 1000,
+                    "ignore_eos": True, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        if len(events) == 3:
+                            proc.proc.kill()
+            assert time.time() - t0 < 20
+            assert len(events) >= 4
+            assert json.loads(events[-1])["error"]["code"] == "upstream_error"
+    finally:
+        proc.stop()
