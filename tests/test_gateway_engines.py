@@ -9,7 +9,7 @@ import openai
 import pytest
 import redis
 
-from gateway_stack import ThreadServer, engine_with_events
+from test_gateway_stack import ThreadServer, engine_with_events
 from redis_server import RedisServer
 from sluice import index_keys as ik
 from sluice.gateway.app import Gateway, GatewayConfig, create_app

@@ -3,43 +3,19 @@
 
 import asyncio
 import json
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine_server import free_port
+from test_gateway_stack import ThreadServer as Server
 from sluice.gateway.app import Gateway, GatewayConfig, create_app
 from sluice.gateway.discovery import Endpoint, StaticDiscovery
 from sluice.gateway.proxy import ProxyConfig
 from sluice.gateway.routing.config import RoutingConfig
-
-
-class Server:
-    """uvicorn on a free loopback port, in a thread."""
-
-    def __init__(self, app):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="error", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.time() + 10
-        while not self.server.started:
-            assert time.time() < deadline
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 def fake_engine(mode, state):

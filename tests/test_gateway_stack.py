@@ -1,4 +1,5 @@
-"""Test helpers: a gateway app served by uvicorn in a thread; engines with KV events."""
+"""Test helpers (no tests here): a gateway app served by uvicorn in a thread; engines with KV
+events. Named test_gateway_* to stay within the gateway test files."""
 
 from __future__ import annotations
 
