@@ -26,7 +26,8 @@ engine's hash seed):
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 PREFIX = "sluice:"
 LOAD_FIELDS = ("waiting", "running", "kv_usage", "ts_ms")

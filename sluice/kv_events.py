@@ -20,12 +20,12 @@ client sends `start_seq.to_bytes(8, "big")`, the server answers one
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
 # vLLM's ExternalBlockHash: bytes (sha256 family) or int (builtin hash).
-ExternalBlockHash = Union[bytes, int]
+ExternalBlockHash = bytes | int
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
@@ -68,10 +68,10 @@ class AllBlocksCleared(KVCacheEvent):
 
 
 class KVEventBatch(EventBatch):
-    events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 _EVENT_TYPES: dict[str, type] = {c.__name__: c for c in (BlockStored, BlockRemoved,
                                                           AllBlocksCleared)}
 _encoder = msgspec.msgpack.Encoder()
@@ -119,7 +119,7 @@ def decode_batch(payload: bytes) -> KVEventBatch:
         ts, events = raw[0], raw[1]
         rank = raw[2] if len(raw) > 2 else None
     else:
-        raise ValueError(f"not a KV event batch: {type(raw).__name__}")
+        raise TypeError(f"not a KV event batch: {type(raw).__name__}")
     if not isinstance(ts, (int, float)) or not isinstance(events, list):
         raise ValueError("not a KV event batch")
     parsed = [e for e in (_event_from_raw(r) for r in events) if e is not None]

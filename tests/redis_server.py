@@ -30,7 +30,7 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> "RedisServer":
+    def start(self) -> RedisServer:
         assert self._proc is None
         self._proc = subprocess.Popen(
             [REDIS_SERVER_PATH, "--port", str(self.port), "--bind", "127.0.0.1",
@@ -51,7 +51,7 @@ class RedisServer:
             self._proc.wait()
             self._proc = None
 
-    def __enter__(self) -> "RedisServer":
+    def __enter__(self) -> RedisServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

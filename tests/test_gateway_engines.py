@@ -8,9 +8,9 @@ import httpx
 import openai
 import pytest
 import redis
-
-from test_gateway_stack import ThreadServer, engine_with_events
 from redis_server import RedisServer
+from test_gateway_stack import ThreadServer, engine_with_events
+
 from sluice import index_keys as ik
 from sluice.gateway.app import Gateway, GatewayConfig, create_app
 from sluice.gateway.discovery import StaticDiscovery, parse_engine_spec

@@ -6,12 +6,11 @@ import json
 import time
 
 import httpx
-import pytest
+from engine_server import free_port
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-
-from engine_server import free_port
 from test_gateway_stack import ThreadServer as Server
+
 from sluice.gateway.app import Gateway, GatewayConfig, create_app
 from sluice.gateway.discovery import Endpoint, StaticDiscovery
 from sluice.gateway.proxy import ProxyConfig

@@ -7,7 +7,6 @@ import threading
 import time
 
 import uvicorn
-
 from engine_server import EngineProcess, free_port
 
 
@@ -21,7 +20,7 @@ class ThreadServer:
                                                     log_level="error", lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def __enter__(self) -> "ThreadServer":
+    def __enter__(self) -> ThreadServer:
         self.thread.start()
         deadline = time.time() + 20
         while not self.server.started:

@@ -6,8 +6,8 @@ import time
 import pytest
 import redis
 import redis.asyncio as aredis
-
 from redis_server import RedisServer
+
 from sluice import index_keys as ik
 from sluice.engine.kv_publisher import KVEventPublisher
 from sluice.gateway.block_keys import request_keys

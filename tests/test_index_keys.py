@@ -1,7 +1,7 @@
 import redis
+from redis_server import RedisServer
 
 from sluice import index_keys as ik
-from redis_server import RedisServer
 
 
 def test_layout_names():

@@ -7,8 +7,15 @@ import pytest
 import zmq
 
 from sluice.engine.kv_publisher import KVEventPublisher
-from sluice.kv_events import (END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored,
-                              KVEventBatch, decode_batch, encode_batch)
+from sluice.kv_events import (
+    END_SEQ,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+)
 
 # vLLM vllm/distributed/kv_events.py (after PR #42892): field names and order.
 VLLM_BLOCK_STORED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
@@ -64,7 +71,7 @@ def test_decode_legacy_positional_and_mixed_encodings():
     mixed = msgspec.msgpack.encode([2.0, [{"type": "BlockRemoved", "block_hashes": [b"\xff"],
                                            "medium": "GPU", "new_field": 1}]])
     assert decode_batch(mixed).events == [BlockRemoved(block_hashes=[b"\xff"], medium="GPU")]
-    with pytest.raises((ValueError, msgspec.DecodeError)):
+    with pytest.raises((TypeError, ValueError, msgspec.DecodeError)):
         decode_batch(msgspec.msgpack.encode("nope"))
 
 
@@ -76,8 +83,8 @@ def publisher():
     pub.close()
 
 
-def _connect(kind, endpoint, ctx=zmq.Context.instance()):
-    s = ctx.socket(kind)
+def _connect(kind, endpoint):
+    s = zmq.Context.instance().socket(kind)
     s.connect(endpoint.replace("0.0.0.0", "127.0.0.1"))
     return s
 

@@ -21,8 +21,14 @@ from collections import deque
 
 import zmq
 
-from sluice.kv_events import (END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored,
-                              KVEventBatch, encode_batch)
+from sluice.kv_events import (
+    END_SEQ,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    encode_batch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +37,7 @@ _STOP = object()
 
 def _binds(endpoint: str) -> bool:
     """vLLM's heuristic: bind wildcard / ipc / inproc endpoints, connect the rest."""
-    return ("*" in endpoint or "::" in endpoint or endpoint.startswith("ipc://")
-            or endpoint.startswith("inproc://"))
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 class KVEventPublisher:

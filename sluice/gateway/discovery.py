@@ -6,8 +6,9 @@ it changes (and once at start). An `Endpoint` is one engine pod.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 from urllib.parse import urlparse
 
 

@@ -172,7 +172,7 @@ class EventFeeder:
             if seq == 0 and state.last_seq > 0:
                 try:
                     ts = decode_batch(frames[2]).ts
-                except (msgspec.DecodeError, ValueError):
+                except (msgspec.DecodeError, ValueError, TypeError):
                     return
                 if ts > state.last_ts:  # the engine restarted: its cache is empty
                     log.warning("%s restarted (seq back to 0): dropping its entries",
@@ -191,7 +191,7 @@ class EventFeeder:
     def _apply(self, state: _PodState, seq: int, payload: bytes) -> None:
         try:
             batch = decode_batch(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as err:
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as err:
             log.warning("%s: undecodable event batch %d: %s", state.source.pod, seq, err)
             state.last_seq = seq
             return

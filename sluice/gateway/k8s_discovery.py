@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from sluice.gateway.discovery import Endpoint, OnChange
 
@@ -88,7 +89,7 @@ class KubernetesDiscovery:
     async def start(self, on_change: OnChange) -> None:
         self._client()
         loop = asyncio.get_running_loop()
-        publish = lambda eps: loop.call_soon_threadsafe(on_change, eps)  # noqa: E731
+        publish = lambda eps: loop.call_soon_threadsafe(on_change, eps)
         self._thread = threading.Thread(target=self._run, args=(publish,),
                                         name="k8s-discovery", daemon=True)
         self._thread.start()

@@ -129,7 +129,7 @@ class LoadScraper:
         if fresh and self.redis is not None:
             try:
                 await asyncio.wait_for(self.redis.write_loads(fresh, self.table.ttl_ms), 0.5)
-            except (RedisError, asyncio.TimeoutError, OSError):
+            except (TimeoutError, RedisError, OSError):
                 pass  # the index notices Redis outages; loads stay local meanwhile
         return len(fresh)
 

@@ -135,7 +135,7 @@ class PrefixIndex:
             try:
                 return await asyncio.wait_for(self.redis.lookup(keys, pods, now_ms()),
                                               self.lookup_timeout_s)
-            except (RedisError, asyncio.TimeoutError, OSError) as err:
+            except (TimeoutError, RedisError, OSError) as err:
                 self._degrade(err if isinstance(err, RedisError) else RedisError(repr(err)))
         return self.local.lookup(keys, pods, now_ms()), None
 
@@ -157,5 +157,5 @@ class PrefixIndex:
         try:
             await asyncio.wait_for(self.redis.speculate(pod, keys, ttl_ms, t),
                                    self.lookup_timeout_s * 4)
-        except (RedisError, asyncio.TimeoutError, OSError) as err:
+        except (TimeoutError, RedisError, OSError) as err:
             self._degrade(err if isinstance(err, RedisError) else RedisError(repr(err)))

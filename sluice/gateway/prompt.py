@@ -18,7 +18,7 @@ class PromptTokenizer:
         self.default = default
 
     @classmethod
-    def from_paths(cls, specs: list[str]) -> "PromptTokenizer":
+    def from_paths(cls, specs: list[str]) -> PromptTokenizer:
         """Each spec is `PATH` (any model) or `MODEL=PATH`."""
         by_model, default = {}, None
         for spec in specs:

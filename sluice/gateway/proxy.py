@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable
 
 import httpx
 from fastapi.responses import Response, StreamingResponse

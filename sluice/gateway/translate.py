@@ -10,8 +10,8 @@ skipping them never creates a false hit).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from sluice.gateway.block_keys import chain_keys, root_key
 from sluice.index_keys import engine_hash_field

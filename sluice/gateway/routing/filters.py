@@ -3,7 +3,7 @@ a filter that would leave nothing for a soft reason returns its input (fail open
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from sluice.gateway.routing.candidate import Candidate
 from sluice.gateway.routing.config import RoutingConfig

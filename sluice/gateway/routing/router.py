@@ -15,12 +15,12 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from sluice.gateway.block_keys import request_keys
-from sluice.gateway.local_index import LocalIndex
 from sluice.gateway.load import LoadTable
+from sluice.gateway.local_index import LocalIndex
 from sluice.gateway.prefix_index import PrefixIndex
 from sluice.gateway.routing.candidate import Candidate
 from sluice.gateway.routing.config import RoutingConfig
