@@ -7,6 +7,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import torch  # noqa: E402
+
+# The suite shares two cores with the engine processes it starts; one thread
+# each avoids OpenMP oversubscription, which stalls every op.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:

@@ -26,7 +26,9 @@ class EngineProcess:
                "--log-level", "warning", *args]
         self.log_path = log_path or Path(f"/tmp/sluice-engine-{self.port}.log")
         self._log = open(self.log_path, "w")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # One torch thread per engine: oversubscribed OpenMP threads on a shared
+        # 2-core machine make each step tens of times slower.
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout: float = 120.0) -> "EngineProcess":

@@ -86,6 +86,10 @@ def main(args: argparse.Namespace) -> int:
     from sluice.engine.llm_engine import LLMEngine
 
     config = engine_config(args)
+    if args.num_threads:
+        import torch
+
+        torch.set_num_threads(args.num_threads)
     llm = LLMEngine(config)
     result = run_throughput(llm, args) if args.mode == "throughput" else run_latency(llm, args)
     result.update(mode=args.mode, model=config.model, dtype=str(llm.dtype),

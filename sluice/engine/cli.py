@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ZMQ ROUTER endpoint for event replay, e.g. tcp://*:5558")
     p.add_argument("--kv-events-topic", default=None,
                    help="topic (default kv@<host>:<port>@<served-model-name>)")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="CPU threads for torch (default: all cores; use 1 per engine when "
+                        "several engines share a machine: oversubscribed threads stall)")
     p.add_argument("--log-level", default="info")
 
 
@@ -78,6 +81,10 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config(args)
+    if args.num_threads:
+        import torch
+
+        torch.set_num_threads(args.num_threads)
     tok_path = args.tokenizer or (None if args.load_format == "dummy" else config.model)
     tokenizer = Tokenizer.from_path(tok_path) if tok_path else None
     publisher = None
