@@ -1,0 +1,1 @@
+"""`sluice up`: Redis, engines and the gateway as local processes."""

@@ -1,0 +1,69 @@
+"""`sluice up`: run Redis, N engines and the gateway on this machine.
+
+Every process's log lines carry its name; Ctrl-C (or SIGTERM) stops them all,
+gateway first. If any process exits on its own, the others are stopped too
+and the exit code is non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import sys
+import time
+
+from sluice.gateway.routing.config import STRATEGIES
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engines", type=int, default=2, help="number of engine processes")
+    p.add_argument("--model", default="default", help="model for every engine")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--routing", choices=STRATEGIES, default="kv_aware")
+    p.add_argument("--host", default="127.0.0.1", help="gateway host")
+    p.add_argument("--port", type=int, default=8000, help="gateway port")
+    p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    p.add_argument("--engine-args", default="", help='extra engine flags, e.g. '
+                   '"--kv-cache-memory 256MiB --max-num-seqs 64"')
+    p.add_argument("--gateway-args", default="", help="extra gateway flags")
+    p.add_argument("--log-level", default="info")
+
+
+def main(args: argparse.Namespace) -> int:
+    from sluice.local.stack import LocalStack, StackConfig
+
+    cfg = StackConfig(engines=args.engines, model=args.model,
+                      served_model_name=args.served_model_name, routing=args.routing,
+                      host=args.host, port=args.port, redis_url=args.redis_url,
+                      engine_args=tuple(shlex.split(args.engine_args)),
+                      gateway_args=tuple(shlex.split(args.gateway_args)),
+                      log_level=args.log_level)
+    stack = LocalStack(cfg)
+
+    def on_term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM stops everything like Ctrl-C
+
+    signal.signal(signal.SIGTERM, on_term)
+    code = 0
+    try:
+        stack.start()
+        print(f"sluice up: gateway on {stack.url}/v1 ({args.routing}), "
+              f"{args.engines} engine(s), redis {stack.redis_url}; Ctrl-C stops all",
+              flush=True)
+        while True:
+            dead = [c for c in stack.children() if not c.alive()]
+            if dead:
+                print(f"sluice up: {dead[0].name} exited with {dead[0].proc.returncode}; "
+                      "stopping", file=sys.stderr, flush=True)
+                code = 1
+                break
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        print("sluice up: stopping", file=sys.stderr, flush=True)
+    except (RuntimeError, TimeoutError, FileNotFoundError) as err:
+        print(f"sluice up: {err}", file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        stack.stop()
+    return code

