@@ -27,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=512, help="latency mode")
     p.add_argument("--output-len", type=int, default=128, help="latency mode")
     p.add_argument("--batch-size", type=int, default=1, help="latency mode")
+    p.add_argument("--compare", choices=["hf"], default=None,
+                   help="latency mode: also run transformers generate on the same weights")
     p.add_argument("--output-json", default=None)
 
 
@@ -82,6 +84,23 @@ def run_latency(llm, args) -> dict:
             "output_len": args.output_len}
 
 
+def _run_hf(config, args):
+    """Measure transformers first (on a free device), then hand its weights to the engine."""
+    from sluice.bench.hf_compare import build_hf_model, hf_latency, hf_weights
+    from sluice.engine.llm_engine import resolve_device, resolve_dtype
+    from sluice.engine.loader import read_hf_config
+
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    path = None if config.load_format == "dummy" or config.model.endswith(".gguf") else config.model
+    if config.model.endswith(".gguf"):
+        raise SystemExit("--compare hf needs a Hugging Face folder or a dummy shape")
+    model = build_hf_model(read_hf_config(config.model, config.load_format), path, dtype, device,
+                           config.seed)
+    result = hf_latency(model, args.input_len, args.output_len, args.batch_size, args.seed)
+    return result, list(hf_weights(model))
+
+
 def main(args: argparse.Namespace) -> int:
     from sluice.engine.llm_engine import LLMEngine
 
@@ -90,8 +109,18 @@ def main(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.num_threads)
-    llm = LLMEngine(config)
+    hf_result, weights = None, None
+    if args.compare == "hf":
+        if args.mode != "latency":
+            raise SystemExit("--compare hf measures latency; use --mode latency")
+        hf_result, weights = _run_hf(config, args)
+    llm = LLMEngine(config, weights=weights)
+    weights = None  # the engine holds its own copy now
     result = run_throughput(llm, args) if args.mode == "throughput" else run_latency(llm, args)
+    if hf_result is not None:
+        result.update({f"hf_{k}": v for k, v in hf_result.items()})
+        result["ttft_ratio_ours_over_hf"] = result["ttft_ms"] / hf_result["ttft_ms"]
+        result["tpot_ratio_ours_over_hf"] = result["tpot_ms"] / hf_result["tpot_ms"]
     result.update(mode=args.mode, model=config.model, dtype=str(llm.dtype),
                   device=str(llm.device), machine=platform.processor() or platform.machine(),
                   date=time.strftime("%Y-%m-%d"))

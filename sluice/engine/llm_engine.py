@@ -40,13 +40,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer=None, record_kv_events: bool = False):
+    def __init__(self, config: EngineConfig, tokenizer=None, record_kv_events: bool = False,
+                 weights=None):
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         self.model = load_model(config.model, config.load_format, TorchAttentionBackend(),
-                                self.dtype, self.device, config.seed)
+                                self.dtype, self.device, config.seed, weights)
         mcfg = self.model.config
         cache = config.cache
         num_blocks = num_kv_blocks(mcfg, cache, self.dtype, self.device)

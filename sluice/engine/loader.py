@@ -42,7 +42,9 @@ def read_hf_config(model: str, load_format: str) -> dict:
 
 
 def load_model(model: str, load_format: str, backend: AttentionBackend, dtype: torch.dtype,
-               device: torch.device, seed: int = 0) -> CausalLM:
+               device: torch.device, seed: int = 0,
+               weights: Iterator[tuple[str, torch.Tensor]] | None = None) -> CausalLM:
+    """Build the model; `weights` (transformers names) overrides the checkpoint or dummy init."""
     hf_config = read_hf_config(model, load_format)
     cfg = ModelConfig.from_hf(hf_config)
     with torch.device(device):
@@ -50,7 +52,9 @@ def load_model(model: str, load_format: str, backend: AttentionBackend, dtype: t
     # Parameters take the engine dtype; rotary frequencies stay float32.
     for p in lm.parameters():
         p.data = p.data.to(dtype)
-    if load_format == "dummy":
+    if weights is not None:
+        _load_weights(lm, weights)
+    elif load_format == "dummy":
         _init_random(lm, seed)
     elif model.endswith(".gguf"):
         from sluice.engine.gguf_loader import load_gguf
