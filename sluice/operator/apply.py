@@ -1,0 +1,141 @@
+"""Apply desired children idempotently: create what is missing, replace what drifted,
+delete what is no longer desired. Never touches objects the pool does not own.
+
+Contract of `apply_child`: after it returns, the live object's spec, labels and
+ownerReferences equal the desired ones (up to server-side defaults). Updates are
+full replacements (PUT) carrying the live `resourceVersion`, so a concurrent writer
+makes the API server answer 409; the child is then re-read and compared again, up
+to `MAX_ATTEMPTS` times. A child edited by hand (drift) differs from the desired
+object and is replaced; a child deleted by hand is recreated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from sluice.operator import kube, labels
+from sluice.operator.render import Manifest
+
+MAX_ATTEMPTS = 5
+OWNED_KINDS = (kube.DEPLOYMENTS, kube.PDBS, kube.SERVICES)
+
+
+class NotOwned(Exception):
+    """A child's name is taken by an object that this pool does not control."""
+
+
+@dataclass
+class ApplyReport:
+    created: list[str] = field(default_factory=list)
+    updated: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+    problems: list[tuple[str, str]] = field(default_factory=list)  # (reason, message)
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.created or self.updated or self.deleted)
+
+
+def is_subset(desired: Any, live: Any) -> bool:
+    """Every field we set has the value we set; extra live fields (server defaults) are fine.
+    Lists must have the same length (an added container or env var is drift)."""
+    if isinstance(desired, dict):
+        return isinstance(live, dict) and all(
+            k in live and is_subset(v, live[k]) for k, v in desired.items())
+    if isinstance(desired, list):
+        return (isinstance(live, list) and len(desired) == len(live)
+                and all(is_subset(d, x) for d, x in zip(desired, live)))
+    return desired == live
+
+
+def owned_by(obj: dict[str, Any], uid: str) -> bool:
+    return any(ref.get("uid") == uid and ref.get("controller")
+               for ref in obj.get("metadata", {}).get("ownerReferences") or ())
+
+
+def needs_update(desired: Manifest, live: dict[str, Any]) -> bool:
+    dm, lm = desired["metadata"], live.get("metadata", {})
+    return not (is_subset(desired["spec"], live.get("spec"))
+                and is_subset(dm["labels"], lm.get("labels") or {})
+                and is_subset(dm["annotations"], lm.get("annotations") or {})
+                and is_subset(dm["ownerReferences"], lm.get("ownerReferences") or []))
+
+
+def replacement(desired: Manifest, live: dict[str, Any]) -> dict[str, Any]:
+    """The PUT body: desired spec and our labels/annotations over the live metadata."""
+    meta = dict(live.get("metadata", {}))
+    meta["labels"] = {**(meta.get("labels") or {}), **desired["metadata"]["labels"]}
+    meta["annotations"] = {**(meta.get("annotations") or {}),
+                           **desired["metadata"]["annotations"]}
+    meta["ownerReferences"] = desired["metadata"]["ownerReferences"]
+    body = {"apiVersion": desired["apiVersion"], "kind": desired["kind"],
+            "metadata": meta, "spec": desired["spec"]}
+    return body
+
+
+async def apply_child(client: kube.KubeClient, desired: Manifest, owner_uid: str) -> str:
+    """Make one child match `desired`; returns "created", "updated" or "unchanged"."""
+    ref = kube.BY_KIND[desired["kind"]]
+    ns, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
+    last_error: Exception | None = None
+    for _ in range(MAX_ATTEMPTS):
+        try:
+            live = await client.get(ref, ns, name)
+        except kube.NotFound:
+            try:
+                await client.create(ref, ns, desired)
+                return "created"
+            except kube.Conflict as e:  # created concurrently: compare with it instead
+                last_error = e
+                continue
+        if not owned_by(live, owner_uid):
+            raise NotOwned(f"{desired['kind']} {ns}/{name} exists and is not owned by this pool")
+        if not needs_update(desired, live):
+            return "unchanged"
+        try:
+            await client.replace(ref, ns, name, replacement(desired, live))
+            return "updated"
+        except kube.Conflict as e:  # a concurrent writer won: re-read and retry
+            last_error = e
+        except kube.NotFound as e:  # deleted between the read and the write
+            last_error = e
+    assert last_error is not None
+    raise last_error
+
+
+async def prune(client: kube.KubeClient, namespace: str, pool: str, owner_uid: str,
+                keep: set[tuple[str, str]]) -> list[str]:
+    """Delete owned children of `pool` whose (kind, name) is not in `keep`."""
+    deleted = []
+    for ref in OWNED_KINDS:
+        for obj in await client.list(ref, namespace, labels.pool_selector(pool)):
+            kind, name = _kind_of(ref), obj["metadata"]["name"]
+            if (kind, name) not in keep and owned_by(obj, owner_uid):
+                await client.delete(ref, namespace, name)
+                deleted.append(f"{kind}/{name}")
+    return deleted
+
+
+def _kind_of(ref: kube.ResourceRef) -> str:
+    return next(kind for kind, r in kube.BY_KIND.items() if r == ref)
+
+
+async def apply_all(client: kube.KubeClient, desired: list[Manifest],
+                    owner_uid: str) -> ApplyReport:
+    """Apply every child, then prune the ones no longer rendered (e.g. serve → roles)."""
+    report = ApplyReport()
+    for manifest in desired:
+        try:
+            action = await apply_child(client, manifest, owner_uid)
+        except NotOwned as e:
+            report.problems.append(("ChildNotOwned", str(e)))
+            continue
+        getattr(report, action).append(f"{manifest['kind']}/{manifest['metadata']['name']}")
+    if desired:
+        ns = desired[0]["metadata"]["namespace"]
+        pool = desired[0]["metadata"]["labels"][labels.POOL]
+        keep = {(m["kind"], m["metadata"]["name"]) for m in desired}
+        report.deleted = await prune(client, ns, pool, owner_uid, keep)
+    return report

@@ -1,0 +1,70 @@
+"""`sluice operator`: run the InferencePool operator (kopf) against the current cluster.
+
+In a pod it logs in with its ServiceAccount; elsewhere with the kubeconfig. Two
+replicas coordinate through kopf peering (`--peering`, a ClusterKopfPeering object
+the chart installs) so only one acts at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from typing import Any
+
+from sluice.operator.config import OperatorConfig
+from sluice.operator.render import RenderConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = RenderConfig()
+    parser.add_argument("--namespace", "-n", action="append", default=[],
+                        help="watch this namespace (repeatable); default: all namespaces")
+    parser.add_argument("--engine-image", default=os.environ.get("SLUICE_ENGINE_IMAGE",
+                                                                 d.engine_image))
+    parser.add_argument("--vllm-image", default=os.environ.get("SLUICE_VLLM_IMAGE",
+                                                               d.vllm_image))
+    parser.add_argument("--redis-url", default=os.environ.get("SLUICE_REDIS_URL"),
+                        help="the gateway's Redis, for the index finalizer "
+                             "(env SLUICE_REDIS_URL; may hold a password)")
+    parser.add_argument("--peering", default="sluice", help="kopf peering object name")
+    parser.add_argument("--standalone", action="store_true",
+                        help="no peering (a single replica only)")
+    parser.add_argument("--resync-interval", type=float, default=60.0)
+    parser.add_argument("--autoscale-interval", type=float, default=15.0)
+    parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
+                        help="kopf liveness endpoint ('' to disable)")
+    parser.add_argument("--verbose", "-v", action="store_true")
+
+
+def config_from_args(args: argparse.Namespace) -> OperatorConfig:
+    return OperatorConfig(
+        render=RenderConfig(engine_image=args.engine_image, vllm_image=args.vllm_image),
+        namespaces=tuple(args.namespace), peering_name=args.peering,
+        standalone=args.standalone, resync_interval_s=args.resync_interval,
+        autoscale_interval_s=args.autoscale_interval, redis_url=args.redis_url,
+        liveness_endpoint=args.liveness or None,
+    )
+
+
+def login() -> Any:
+    """ServiceAccount in a pod, else the kubeconfig (kopf's own helpers)."""
+    import kopf
+
+    settings = kopf.OperatorSettings()
+    info = kopf.login_with_service_account(settings=settings)
+    if info is None:
+        info = kopf.login_with_kubeconfig(settings=settings)
+    if info is None:
+        raise SystemExit("sluice operator: no ServiceAccount token and no kubeconfig found")
+    return info
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from sluice.operator.runtime import run
+
+    asyncio.run(run(config_from_args(args), login()))
+    return 0

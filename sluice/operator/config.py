@@ -1,0 +1,24 @@
+"""Operator-wide settings (from `sluice operator` flags), frozen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sluice.operator.render import RenderConfig
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    render: RenderConfig = field(default_factory=RenderConfig)
+    namespaces: tuple[str, ...] = ()  # empty: all namespaces (cluster-wide)
+    peering_name: str = "sluice"
+    standalone: bool = False  # no peering: only for tests and single-replica runs
+    resync_interval_s: float = 60.0  # safety-net reconcile per pool
+    autoscale_interval_s: float = 15.0
+    metrics_timeout_s: float = 2.0
+    redis_url: str | None = None  # the gateway's Redis, for the index finalizer
+    liveness_endpoint: str | None = None  # e.g. http://0.0.0.0:8080/healthz
+
+    @property
+    def clusterwide(self) -> bool:
+        return not self.namespaces

@@ -1,0 +1,105 @@
+"""kopf wiring: thin handlers that hand work to the Reconciler, Autoscaler and purger.
+
+Triggers of a reconcile pass: the pool is created, updated or resumed (operator
+restart), one of its children or pods changes (drift: edited or deleted by hand,
+Deployment became ready), and a resync timer as a safety net. Deletion runs the
+index finalizer; ownerReferences let the garbage collector remove the children.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import kopf
+
+from sluice.operator import cleanup, crd, kube, labels
+from sluice.operator.autoscaler import Autoscaler
+from sluice.operator.config import OperatorConfig
+from sluice.operator.reconciler import Reconciler
+
+log = logging.getLogger("sluice.operator")
+POOL = (crd.GROUP, crd.VERSION, crd.PLURAL)
+CHILDREN = (("apps", "v1", "deployments"), ("", "v1", "services"),
+            ("policy", "v1", "poddisruptionbudgets"), ("", "v1", "pods"))
+MANAGED = {labels.MANAGED_BY: labels.OPERATOR_NAME}
+
+
+def post_event(body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+    """EventSink posting through kopf's event queue (batched, non-blocking)."""
+    kopf.event(body, type=type_, reason=reason, message=message[:1024])
+
+
+@dataclass
+class Runtime:
+    config: OperatorConfig
+    connection: kopf.ConnectionInfo
+    client: kube.KubeClient
+    reconciler: Reconciler
+    autoscaler: Autoscaler
+    purge: cleanup.IndexPurger
+
+
+def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
+    settings.persistence.finalizer = labels.FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=crd.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=crd.GROUP, key="last-handled-configuration")
+    settings.posting.level = logging.WARNING  # our own Events only, not handler chatter
+    settings.peering.name = config.peering_name
+    settings.peering.standalone = config.standalone
+    settings.peering.clusterwide = config.clusterwide
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.networking.request_timeout = 30
+
+
+def register(registry: kopf.OperatorRegistry, rt: Runtime) -> kopf.OperatorRegistry:
+    @kopf.on.login(registry=registry)
+    def _login(**_: Any) -> kopf.ConnectionInfo:
+        return rt.connection
+
+    @kopf.on.resume(*POOL, registry=registry)
+    @kopf.on.create(*POOL, registry=registry)
+    @kopf.on.update(*POOL, registry=registry)
+    async def _pool_changed(body: kopf.Body, **_: Any) -> None:
+        try:
+            await rt.reconciler.reconcile(dict(body))
+        except kube.ApiError as e:
+            raise kopf.TemporaryError(f"API error while reconciling: {e}", delay=5) from e
+
+    @kopf.timer(*POOL, interval=rt.config.resync_interval_s, initial_delay=
+                rt.config.resync_interval_s, registry=registry)
+    async def _resync(body: kopf.Body, **_: Any) -> None:
+        await rt.reconciler.reconcile(dict(body))
+
+    @kopf.timer(*POOL, interval=rt.config.autoscale_interval_s, registry=registry)
+    async def _autoscale(body: kopf.Body, **_: Any) -> None:
+        await rt.autoscaler.tick(dict(body))
+
+    async def _child_changed(namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
+        pool = labels.get("sluice.dev/pool")
+        if not pool or not namespace:
+            return
+        try:
+            body = await rt.client.get(kube.POOLS, namespace, pool)
+        except kube.NotFound:
+            return
+        await rt.reconciler.reconcile(body)
+
+    for group, version, plural in CHILDREN:
+        resource = (group, version, plural) if group else (version, plural)
+        kopf.on.event(*resource, labels=MANAGED, registry=registry,
+                      id=f"child-{plural}")(_child_changed)
+
+    @kopf.on.delete(*POOL, retries=5, backoff=5, registry=registry)
+    async def _pool_deleted(body: kopf.Body, namespace: str, name: str, **_: Any) -> None:
+        endpoints = list((body.get("status") or {}).get("endpoints") or [])
+        pods = await rt.client.list(kube.PODS, namespace, labels.pool_selector(name))
+        ids = cleanup.pool_pod_ids(endpoints, pods)
+        purged = await rt.purge(namespace, name, ids)
+        post_event(dict(body), "Normal", "IndexPurged",
+                   f"removed {len(ids)} engines ({purged} prefix-index keys) from the index")
+
+    return registry

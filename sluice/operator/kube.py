@@ -1,0 +1,130 @@
+"""A small async Kubernetes REST client (httpx) for the operator's own reads and writes.
+
+kopf brings its own client for watching and for patching the objects it handles;
+this one creates, patches and deletes children and writes pool status. It uses the
+connection kopf logged in with (`kopf.ConnectionInfo`), so both agree on the cluster.
+Writes are JSON merge patches (RFC 7386) carrying `metadata.resourceVersion` when the
+caller wants optimistic concurrency; the API server answers 409 on a stale version.
+Bearer tokens are never logged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import httpx
+
+MERGE_PATCH = "application/merge-patch+json"
+
+
+@dataclass(frozen=True)
+class ResourceRef:
+    """group/version/plural of a resource; `group` is "" for the core API."""
+
+    group: str
+    version: str
+    plural: str
+    namespaced: bool = True
+
+    def path(self, namespace: str | None, name: str | None = None,
+             subresource: str | None = None) -> str:
+        root = f"/api/{self.version}" if not self.group else f"/apis/{self.group}/{self.version}"
+        ns = f"/namespaces/{namespace}" if self.namespaced and namespace else ""
+        tail = f"/{name}" if name else ""
+        sub = f"/{subresource}" if subresource else ""
+        return f"{root}{ns}/{self.plural}{tail}{sub}"
+
+
+DEPLOYMENTS = ResourceRef("apps", "v1", "deployments")
+SERVICES = ResourceRef("", "v1", "services")
+PDBS = ResourceRef("policy", "v1", "poddisruptionbudgets")
+PODS = ResourceRef("", "v1", "pods")
+PVCS = ResourceRef("", "v1", "persistentvolumeclaims")
+POOLS = ResourceRef("sluice.dev", "v1alpha1", "inferencepools")
+
+BY_KIND: dict[str, ResourceRef] = {
+    "Deployment": DEPLOYMENTS, "Service": SERVICES, "PodDisruptionBudget": PDBS,
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, reason: str, message: str):
+        super().__init__(f"{status} {reason}: {message}")
+        self.status, self.reason, self.message = status, reason, message
+
+
+class NotFound(ApiError):
+    pass
+
+
+class Conflict(ApiError):
+    """409: AlreadyExists on create, or a stale resourceVersion on update."""
+
+
+def _raise_for(response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    try:
+        body = response.json()
+    except ValueError:
+        body = {}
+    reason = str(body.get("reason") or response.reason_phrase)
+    message = str(body.get("message") or response.text[:200])
+    cls = {404: NotFound, 409: Conflict}.get(response.status_code, ApiError)
+    raise cls(response.status_code, reason, message)
+
+
+class KubeClient:
+    """CRUD on namespaced resources. One instance per operator process."""
+
+    def __init__(self, http: httpx.AsyncClient):
+        self._http = http
+
+    @classmethod
+    def from_connection(cls, info: Any, timeout: float = 30.0) -> "KubeClient":
+        """Build from a `kopf.ConnectionInfo` (server, CA, token or client certificate);
+        kopf turns it into TLS settings and auth headers the same way for its own client."""
+        verify: Any = info.as_ssl_context() if info.server.startswith("https") else True
+        http = httpx.AsyncClient(base_url=info.server, verify=verify,
+                                 headers=info.as_http_headers(), timeout=timeout)
+        return cls(http)
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        response = await self._http.request(method, path, **kwargs)
+        _raise_for(response)
+        return response.json() if response.content else {}
+
+    async def get(self, ref: ResourceRef, namespace: str | None, name: str,
+                  subresource: str | None = None) -> dict[str, Any]:
+        return await self._request("GET", ref.path(namespace, name, subresource))
+
+    async def list(self, ref: ResourceRef, namespace: str | None,
+                   label_selector: str | None = None) -> list[dict[str, Any]]:
+        params = {"labelSelector": label_selector} if label_selector else {}
+        body = await self._request("GET", ref.path(namespace), params=params)
+        return list(body.get("items") or [])
+
+    async def create(self, ref: ResourceRef, namespace: str | None,
+                     body: Mapping[str, Any]) -> dict[str, Any]:
+        return await self._request("POST", ref.path(namespace), json=body)
+
+    async def patch(self, ref: ResourceRef, namespace: str | None, name: str,
+                    patch: Mapping[str, Any], subresource: str | None = None) -> dict[str, Any]:
+        return await self._request("PATCH", ref.path(namespace, name, subresource),
+                                   json=patch, headers={"Content-Type": MERGE_PATCH})
+
+    async def replace(self, ref: ResourceRef, namespace: str | None, name: str,
+                      body: Mapping[str, Any]) -> dict[str, Any]:
+        """PUT: full replacement; 409 when body's metadata.resourceVersion is stale."""
+        return await self._request("PUT", ref.path(namespace, name), json=body)
+
+    async def delete(self, ref: ResourceRef, namespace: str | None, name: str) -> None:
+        try:
+            await self._request("DELETE", ref.path(namespace, name),
+                                json={"propagationPolicy": "Background"})
+        except NotFound:
+            pass

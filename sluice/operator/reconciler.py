@@ -1,0 +1,111 @@
+"""Level-based reconciliation of one InferencePool: render → apply → observe → status.
+
+`Reconciler.reconcile(body)` may be called from any trigger (pool created, updated
+or resumed, a child changed, the resync timer). Calls for the same pool are
+serialised, and triggers that arrive while one runs are coalesced into one more pass,
+so a burst of child events costs at most two passes. Every pass is idempotent.
+A spec the operator cannot render, or a problem only it can see, becomes a Degraded
+condition and an Event, never an exception loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from sluice.operator import apply, kube
+from sluice.operator.observe import observe
+from sluice.operator.render import RenderConfig, render_pool
+from sluice.operator.spec import PoolSpec, SpecError
+from sluice.operator.status import compute_status, invalid_spec_status, same_status
+
+log = logging.getLogger("sluice.operator")
+
+# (pool body, "Normal" | "Warning", reason, message) → posts a Kubernetes Event.
+EventSink = Callable[[Mapping[str, Any], str, str, str], None]
+
+
+def utcnow() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class _Slot:
+    lock: asyncio.Lock
+    pending: bool = False
+
+
+class Reconciler:
+    def __init__(self, client: kube.KubeClient, config: RenderConfig, events: EventSink,
+                 clock: Callable[[], str] = utcnow):
+        self.client, self.config, self.events, self.clock = client, config, events, clock
+        self._slots: dict[tuple[str, str], _Slot] = {}
+        self.passes = 0  # number of reconcile passes run (for tests and benchmarks)
+
+    async def reconcile(self, body: Mapping[str, Any]) -> None:
+        """Converge the pool's children and status. Re-reads the pool when coalescing."""
+        meta = body["metadata"]
+        key = (meta.get("namespace") or "default", meta["name"])
+        slot = self._slots.setdefault(key, _Slot(asyncio.Lock()))
+        if slot.lock.locked():
+            slot.pending = True  # the running pass re-reads the pool and goes again
+            return
+        async with slot.lock:
+            current: Mapping[str, Any] | None = body
+            while current is not None:
+                slot.pending = False
+                await self._pass(current)
+                current = await self._reread(key) if slot.pending else None
+        if not slot.lock.locked() and not slot.pending:
+            self._slots.pop(key, None)
+
+    async def _reread(self, key: tuple[str, str]) -> Mapping[str, Any] | None:
+        try:
+            return await self.client.get(kube.POOLS, key[0], key[1])
+        except kube.NotFound:
+            return None
+
+    async def _pass(self, body: Mapping[str, Any]) -> None:
+        self.passes += 1
+        if body["metadata"].get("deletionTimestamp"):
+            return  # owner references and the finalizer take it from here
+        previous = body.get("status") or {}
+        try:
+            pool = PoolSpec.from_body(body)
+        except SpecError as e:
+            status = invalid_spec_status(int(body["metadata"].get("generation") or 0),
+                                         str(e), previous, self.clock())
+            if not same_status(previous, status):
+                self.events(body, "Warning", "InvalidSpec", str(e))
+                await self._write_status(body, status)
+            return
+        report = await apply.apply_all(self.client, render_pool(pool, self.config), pool.uid)
+        for name in report.created:
+            self.events(body, "Normal", "Created", f"created {name}")
+        for name in report.updated:
+            self.events(body, "Normal", "Updated", f"updated {name} to the desired spec")
+        for name in report.deleted:
+            self.events(body, "Normal", "Deleted", f"deleted {name} (no longer desired)")
+        observed = await observe(self.client, pool)
+        problems = report.problems + observed.problems
+        status = compute_status(pool, observed, problems, previous, self.clock())
+        if not same_status(previous, status):
+            old = {c["type"]: c for c in previous.get("conditions") or ()}
+            new = status["conditions"][2]
+            if new["status"] == "True" and old.get("Degraded", {}).get("reason") != new["reason"]:
+                self.events(body, "Warning", new["reason"], new["message"])
+            gone = set(previous.get("roles") or {}) - set(status["roles"])
+            patch = {**status, "roles": {**{r: None for r in gone}, **status["roles"]}}
+            await self._write_status(body, patch)
+
+    async def _write_status(self, body: Mapping[str, Any], status: dict[str, Any]) -> None:
+        meta = body["metadata"]
+        try:
+            await self.client.patch(kube.POOLS, meta.get("namespace"), meta["name"],
+                                    {"status": status}, subresource="status")
+        except kube.NotFound:
+            log.info("pool %s/%s vanished before its status was written",
+                     meta.get("namespace"), meta["name"])

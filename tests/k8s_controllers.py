@@ -1,0 +1,85 @@
+"""The cluster-side controllers the emulator lacks: the Deployment controller and the
+kubelet, reduced to what the operator observes (pods with IPs and Ready conditions,
+Deployment status). Deterministic: call `settle()` or run `controllers()` in a task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from typing import Any, Callable
+
+from k8s_store import ApiError, Store
+
+_ips = itertools.count(10)
+
+# pod -> extra status fields (e.g. an Unschedulable condition) instead of Ready
+PodFate = Callable[[dict[str, Any]], dict[str, Any] | None]
+
+
+def _deployments(api: Any) -> list[dict[str, Any]]:
+    return api.store.list(api.kind("deployments"), None)
+
+
+def _sync_deployment(store: Store, api: Any, dep: dict[str, Any], fate: PodFate | None) -> None:
+    pods_kind = api.kind("pods")
+    deps_kind = api.kind("deployments")
+    ns, name = dep["metadata"]["namespace"], dep["metadata"]["name"]
+    template = dep["spec"]["template"]
+    selector = ",".join(f"{k}={v}" for k, v in dep["spec"]["selector"]["matchLabels"].items())
+    pods = store.list(pods_kind, ns, selector)
+    want = int(dep["spec"].get("replicas") or 0)
+    for pod in pods[want:]:
+        store.delete(pods_kind, ns, pod["metadata"]["name"])
+    for i in range(len(pods), want):
+        n = next(_ips)
+        pod = {"metadata": {"name": f"{name}-{n:05d}", "namespace": ns,
+                            "labels": dict(template["metadata"]["labels"]),
+                            "annotations": dict(template["metadata"].get("annotations", {})),
+                            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment",
+                                                 "name": name, "uid": dep["metadata"]["uid"],
+                                                 "controller": True}]},
+               "spec": template["spec"]}
+        store.create(pods_kind, ns, pod)
+        extra = fate(pod) if fate else None
+        status = extra or {"phase": "Running", "podIP": f"10.1.{n // 250}.{n % 250 + 1}",
+                           "conditions": [{"type": "PodScheduled", "status": "True"},
+                                          {"type": "Ready", "status": "True"}]}
+        live = store.get(pods_kind, ns, pod["metadata"]["name"])
+        store.write(pods_kind, ns, pod["metadata"]["name"], "status",
+                    {**live, "status": status}, None)
+    pods = store.list(pods_kind, ns, selector)
+    ready = sum(1 for p in pods if any(c.get("type") == "Ready" and c.get("status") == "True"
+                                       for c in (p.get("status") or {}).get("conditions", ())))
+    status = {"observedGeneration": dep["metadata"]["generation"], "replicas": len(pods),
+              "updatedReplicas": len(pods), "readyReplicas": ready, "availableReplicas": ready}
+    if dep.get("status") != status:
+        store.write(deps_kind, ns, name, "status", {**dep, "status": status}, None)
+
+
+async def settle(api: Any, fate: PodFate | None = None) -> None:
+    """One pass of the Deployment controller + kubelet over every Deployment."""
+    def work(store: Store) -> None:
+        for dep in _deployments(api):
+            try:
+                _sync_deployment(store, api, dep, fate)
+            except ApiError:
+                pass  # deleted meanwhile: the next pass sees the new state
+    await api.mutate(work)
+
+
+@contextlib.asynccontextmanager
+async def controllers(api: Any, interval: float = 0.05, fate: PodFate | None = None):
+    """Run `settle` in the background while the block runs."""
+    async def loop() -> None:
+        while True:
+            await settle(api, fate)
+            await asyncio.sleep(interval)
+    task = asyncio.create_task(loop())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -1,0 +1,225 @@
+"""kmock's `KubernetesEmulator` extended towards a real API server, for operator tests.
+
+kmock provides the HTTP server, request parsing, API discovery and error rendering.
+This subclass replaces its object handling with `k8s_store.Store` (resourceVersion,
+uid, generation, status/scale subresources, 409 conflicts, label selectors,
+finalizers, garbage collection, watches from a resourceVersion), validates custom
+resources like the CRD schema would (`validators`), renders `Table` responses for
+`kubectl get`, and can inject failures (`fail_next`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp.web
+import kmock
+
+from k8s_store import ApiError, Kind, Store, selector_matches
+
+VERBS = ["get", "list", "watch", "create", "update", "patch", "delete"]
+
+BUILTIN_KINDS = [
+    Kind("apps", "v1", "deployments", "Deployment", True, ("status", "scale"),
+         ("spec.replicas", "status.replicas", "status.selector")),
+    Kind("", "v1", "services", "Service", True, ("status",)),
+    Kind("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", True, ("status",)),
+    Kind("", "v1", "pods", "Pod", True, ("status",)),
+    Kind("", "v1", "persistentvolumeclaims", "PersistentVolumeClaim", True, ("status",)),
+    Kind("", "v1", "secrets", "Secret", True),
+    Kind("", "v1", "events", "Event", True),
+    Kind("events.k8s.io", "v1", "events", "Event", True),
+    Kind("", "v1", "namespaces", "Namespace", False),
+    Kind("apiextensions.k8s.io", "v1", "customresourcedefinitions",
+         "CustomResourceDefinition", False, ("status",)),
+]
+
+
+@dataclass
+class Fault:
+    method: str
+    plural: str
+    status: int
+    count: int
+
+
+class ApiServerEmulator(kmock.KubernetesEmulator):
+    """Use as `async with ApiServerEmulator() as api, kmock.Server(api): ...`."""
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self.store = Store()
+        self.faults: list[Fault] = []
+        self.printer_columns: dict[str, list[dict[str, Any]]] = {}
+        self._changed = asyncio.Condition()
+        for kind in BUILTIN_KINDS:
+            self.register(kind)
+
+    # -- configuration -------------------------------------------------------------
+    def register(self, kind: Kind, short_names: tuple[str, ...] = (),
+                 printer_columns: list[dict[str, Any]] | None = None) -> None:
+        key = f"{kind.group}/{kind.version}/{kind.plural}" if kind.group else \
+            f"{kind.version}/{kind.plural}"
+        self.resources[key] = kmock.ResourceInfo(
+            kind=kind.kind, namespaced=kind.namespaced, singular=kind.kind.lower(),
+            verbs=VERBS, shortnames=set(short_names), subresources=set(kind.subresources))
+        self.store.kinds[f"{kind.group}/{kind.plural}"] = kind
+        if printer_columns:
+            self.printer_columns[kind.plural] = printer_columns
+
+    def register_crd(self, crd: dict[str, Any], validator: Any = None) -> Kind:
+        spec, version = crd["spec"], crd["spec"]["versions"][0]
+        scale = version.get("subresources", {}).get("scale")
+        kind = Kind(spec["group"], version["name"], spec["names"]["plural"],
+                    spec["names"]["kind"], spec["scope"] == "Namespaced",
+                    tuple(version.get("subresources", {})),
+                    (scale["specReplicasPath"], scale["statusReplicasPath"],
+                     scale.get("labelSelectorPath", "")) if scale else None)
+        self.register(kind, tuple(spec["names"].get("shortNames", ())),
+                      version.get("additionalPrinterColumns"))
+        if validator is not None:
+            self.store.validators[kind.plural] = validator
+        return kind
+
+    def fail_next(self, method: str, plural: str, status: int = 409, count: int = 1) -> None:
+        """The next `count` `method` requests on `plural` fail with `status`."""
+        self.faults.append(Fault(method.upper(), plural, status, count))
+
+    # -- direct access for tests (like kubectl, and the controllers we lack) ------------
+    def kind(self, plural: str, group: str | None = None) -> Kind:
+        for key, kind in self.store.kinds.items():
+            if kind.plural == plural and (group is None or kind.group == group):
+                return kind
+        raise KeyError(plural)
+
+    async def mutate(self, fn: Any) -> Any:
+        """Run `fn(store)` and wake watchers; for controller simulations in tests."""
+        result = fn(self.store)
+        async with self._changed:
+            self._changed.notify_all()
+        return result
+
+    # -- HTTP ----------------------------------------------------------------------
+    async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        res = request.resource
+        if res is None or not res.plural or res.version is None:
+            return await kmock.KubernetesScaffold._handle(self, request)  # discovery
+        kind = self.store.kinds.get(f"{res.group}/{res.plural}")
+        if kind is None:
+            raise kmock.KubernetesResourceNotFoundError()
+        method = request.method.value.upper()
+        for fault in self.faults:
+            if fault.count > 0 and fault.method == method and fault.plural == kind.plural:
+                fault.count -= 1
+                raise kmock.KubernetesError(status=fault.status, reason="Injected",
+                                            message=f"injected {fault.status} for {method}")
+        try:
+            return await self._dispatch(request, kind, method)
+        except ApiError as e:
+            raise kmock.KubernetesError(status=e.status, reason=e.reason, message=e.message,
+                                        details={"name": request.name, "kind": kind.plural})
+
+    async def _dispatch(self, request: kmock.Request, kind: Kind,
+                        method: str) -> aiohttp.web.StreamResponse:
+        ns, name, sub = request.namespace, request.name, request.subresource
+        params = request.params
+        if method == "GET" and params.get("watch") in ("true", "1"):
+            return await self._watch(request, kind)
+        if method == "GET" and name is None:
+            items = self.store.list(kind, ns, params.get("labelSelector"))
+            items = _field_filter(items, params.get("fieldSelector"))
+            if "as=Table" in request.headers.get("Accept", ""):
+                return _json(self._table(kind, items))
+            return _json({"apiVersion": kind.api_version, "kind": f"{kind.kind}List",
+                          "metadata": {"resourceVersion": str(self.store.rv)}, "items": items})
+        if method == "GET":
+            obj = self.store.get(kind, ns, name)
+            if sub == "scale":
+                return _json(self.store.scale(kind, obj))
+            if "as=Table" in request.headers.get("Accept", ""):
+                return _json(self._table(kind, [obj]))
+            return _json(obj)
+        if method == "POST":
+            result = self.store.create(kind, ns, request.data)
+        elif method == "PUT":
+            body = request.data
+            rv = (body.get("metadata") or {}).get("resourceVersion")
+            result = self.store.write(kind, ns, name, sub, body, rv)
+            if sub == "scale":
+                result = self.store.scale(kind, result)
+        elif method == "PATCH":
+            ctype = request.headers.get("Content-Type", "application/merge-patch+json")
+            result = self.store.patch(kind, ns, name, sub, request.data, ctype)
+            if sub == "scale":
+                result = self.store.scale(kind, result)
+        elif method == "DELETE":
+            result = self.store.delete(kind, ns, name)
+        else:
+            raise ApiError(405, "MethodNotAllowed", method)
+        async with self._changed:
+            self._changed.notify_all()
+        return _json(result, status=201 if method == "POST" else 200)
+
+    async def _watch(self, request: kmock.Request, kind: Kind) -> aiohttp.web.StreamResponse:
+        params = request.params
+        selector = params.get("labelSelector")
+        timeout = float(params.get("timeoutSeconds") or 0) or None
+        response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(request._raw_request)
+        since = params.get("resourceVersion")
+        if since and since.isdigit() and since != "0":
+            position = next((i for i, e in enumerate(self.store.log) if e.rv > int(since)),
+                            len(self.store.log))
+        else:
+            for obj in _field_filter(self.store.list(kind, request.namespace, selector),
+                                     params.get("fieldSelector")):
+                await response.write(json.dumps({"type": "ADDED", "object": obj}).encode() + b"\n")
+            position = len(self.store.log)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout if timeout else None
+        try:
+            transport = request._raw_request.transport
+            while deadline is None or loop.time() < deadline:
+                if transport is None or transport.is_closing():
+                    return response  # the client went away: end the watch now
+                while position < len(self.store.log):
+                    event = self.store.log[position]
+                    position += 1
+                    meta = event.obj["metadata"]
+                    if (event.kind == kind
+                            and (request.namespace is None or meta.get("namespace") == request.namespace)
+                            and selector_matches(selector, meta.get("labels") or {})
+                            and _field_filter([event.obj], params.get("fieldSelector"))):
+                        line = {"type": event.type, "object": event.obj}
+                        await response.write(json.dumps(line).encode() + b"\n")
+                async with self._changed:
+                    if position < len(self.store.log):
+                        continue
+                    try:
+                        await asyncio.wait_for(self._changed.wait(), timeout=0.1)
+                    except asyncio.TimeoutError:
+                        pass
+        except (ConnectionResetError, asyncio.CancelledError):
+            return response
+        await response.write_eof()
+        return response
+
+    def _table(self, kind: Kind, items: list[dict[str, Any]]) -> dict[str, Any]:
+        from k8s_table import render_table
+        return render_table(self.printer_columns.get(kind.plural), items)
+
+
+def _json(body: Any, status: int = 200) -> aiohttp.web.Response:
+    return aiohttp.web.json_response(body, status=status)
+
+
+def _field_filter(items: list[dict[str, Any]], selector: str | None) -> list[dict[str, Any]]:
+    """Only `metadata.name=` and `metadata.namespace=` field selectors (what clients use)."""
+    if not selector:
+        return items
+    wanted = dict(part.split("=", 1) for part in selector.replace("==", "=").split(","))
+    return [o for o in items if all(o["metadata"].get(k.split(".", 1)[1]) == v
+                                    for k, v in wanted.items())]
