@@ -7,6 +7,7 @@ ports. Used by `sluice up` and by `sluice bench serve --compare`.
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import sys
@@ -103,6 +104,9 @@ class LocalStack:
             if name:
                 argv += ["--served-model-name", name]
             argv += list(self.cfg.engine_args)
+            if "--num-threads" not in self.cfg.engine_args:
+                # engines share this machine: oversubscribed torch threads stall steps
+                argv += ["--num-threads", str(max(1, (os.cpu_count() or 1) // self.cfg.engines))]
             self.engines.append(Child(f"engine-{i}", argv, self.out, i + 1, self.cfg.env))
             url = f"http://127.0.0.1:{port}"
             self.engine_urls.append(url)

@@ -1,0 +1,61 @@
+"""`sluice bench serve`: workloads, stats, and a --compare run on a tiny local stack."""
+
+import argparse
+import json
+import random
+
+from sluice.bench import serve
+from sluice.bench.serve_client import Result
+from sluice.bench.serve_stats import summarize
+from sluice.bench.serve_workloads import (
+    TextMaker,
+    ideal_hit_tokens,
+    multi_turn_workload,
+    shared_prefix_workload,
+)
+
+
+def test_shared_prefix_workload_shape_and_ideal(tiny_chat_model):
+    from sluice.tokenizer import Tokenizer
+
+    reqs = shared_prefix_workload(3, 4, 64, 8, 5, TextMaker(random.Random(0)))
+    assert len(reqs) == 12 and sorted(r.group for r in reqs) == sorted([0, 1, 2] * 4)
+    systems = {r.group: r.messages[0]["content"] for r in reqs}
+    assert all(r.messages[0]["content"] == systems[r.group] for r in reqs)
+    assert len({r.messages[1]["content"] for r in reqs}) == 12
+    again = shared_prefix_workload(3, 4, 64, 8, 5, TextMaker(random.Random(0)))
+    assert [r.messages for r in again] == [r.messages for r in reqs]  # seed-fixed
+    hit, total = ideal_hit_tokens(reqs, Tokenizer.from_path(str(tiny_chat_model)), 16)
+    assert 0.5 < hit / total < 0.8  # 9 of 12 prompts reuse ~64 of ~90 tokens
+    mt = multi_turn_workload(2, 3, 16, 8, 4, TextMaker(random.Random(0)))
+    assert len(mt) == 2 and all(len(r.questions) == 3 for r in mt)
+
+
+def test_summarize_percentiles():
+    rs = [Result(ok=True, start=0, e2e=1.0 + i, ttft=0.1 * (i + 1), itl=[0.01] * 3,
+                 prompt_tokens=10, output_tokens=4) for i in range(10)]
+    rs.append(Result(ok=False, start=0, error="HTTP 503"))
+    s = summarize(rs, duration=2.0)
+    assert (s["completed"], s["failed"], s["errors"]) == (10, 1, ["HTTP 503"])
+    assert abs(s["ttft_ms"]["p50"] - 550) < 1e-6 and s["output_throughput"] == 20
+    assert abs(s["itl_ms"]["mean"] - 10) < 1e-9
+
+
+def test_compare_on_local_stack(tiny_chat_model, tmp_path):
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    args = p.parse_args([
+        "--compare", "round_robin,kv_aware", "--engines", "2", "--stack-model",
+        str(tiny_chat_model), "--engine-args", "--num-kv-blocks 512 --max-model-len 1024",
+        "--groups", "4", "--users", "4", "--system-len", "160", "--question-len", "12",
+        "--output-len", "4", "--max-concurrency", "2", "--tokenizer", str(tiny_chat_model),
+        "--result-json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png"),
+        "--stack-port", str(__import__("engine_server").free_port()), "--no-progress"])
+    assert serve.main(args) == 0
+    runs = json.loads((tmp_path / "r.json").read_text())["runs"]
+    assert set(runs) == {"round_robin", "kv_aware"}
+    rr, kv = runs["round_robin"], runs["kv_aware"]
+    assert rr["completed"] == kv["completed"] == 16
+    ideal = kv["ideal_hit_rate"]
+    assert kv["hit_rate"] >= 0.9 * ideal and kv["hit_rate"] > rr["hit_rate"]
+    assert (tmp_path / "r.png").stat().st_size > 10_000
