@@ -5,7 +5,9 @@ Like the HorizontalPodAutoscaler, with inference signals:
   held at `current` when the ratio is within ±10 % (tolerance), clamped to [min, max];
 - stabilization: a scale-up goes only to the *lowest* recommendation seen during the
   scale-up window, a scale-down only to the *highest* seen during the scale-down
-  window, so one spike or one idle sample never moves the pool;
+  window, and only once the history covers the whole window (after a restart the
+  autoscaler first watches for a window), so one spike or one idle sample never
+  moves the pool;
 - no sample (no ready engine reported) → hold, except to bring `current` into
   [min, max].
 The history of recommendations is returned, not kept: the caller stores it.
@@ -64,10 +66,25 @@ def _clamp(policy: AutoscalingSpec, n: int) -> int:
     return max(policy.min_replicas, min(policy.max_replicas, n))
 
 
+def _prune(history: tuple[Recommendation, ...], now: float,
+           keep_s: float) -> tuple[Recommendation, ...]:
+    """Records of the last `keep_s` seconds, plus the newest older one (it proves coverage)."""
+    recent = tuple(r for r in history if now - r.at <= keep_s)
+    older = [r for r in history if now - r.at > keep_s]
+    return (older[-1],) + recent if older else recent
+
+
+def _window(history: tuple[Recommendation, ...], now: float, seconds: int) -> list[int] | None:
+    """Recommendations of the last `seconds`, or None if the history is shorter than that."""
+    if seconds > 0 and not any(now - r.at >= seconds for r in history):
+        return None
+    return [r.replicas for r in history if now - r.at <= seconds]
+
+
 def decide(policy: AutoscalingSpec, current: int, sample: LoadSample | None,
            history: tuple[Recommendation, ...], now: float) -> Decision:
     window = max(policy.scale_up_stabilization_s, policy.scale_down_stabilization_s)
-    history = tuple(r for r in history if now - r.at <= window)
+    history = _prune(history, now, window)
     if sample is None or sample.engines == 0:
         target = _clamp(policy, current)
         reason = "OutOfBounds" if target != current else "NoMetrics"
@@ -77,8 +94,8 @@ def decide(policy: AutoscalingSpec, current: int, sample: LoadSample | None,
     wanted, signal = raw_recommendation(policy, current, sample)
     history = history + (Recommendation(now, wanted),)
     if wanted > current:
-        recent = [r.replicas for r in history if now - r.at <= policy.scale_up_stabilization_s]
-        target = max(current, min(recent))
+        recent = _window(history, now, policy.scale_up_stabilization_s)
+        target = max(current, min(recent)) if recent else current
         if target > current:
             return Decision(target, "ScaledUp", f"{signal}: {current} → {target} replicas",
                             history)
@@ -86,9 +103,8 @@ def decide(policy: AutoscalingSpec, current: int, sample: LoadSample | None,
                         f"{current} for the {policy.scale_up_stabilization_s}s scale-up window",
                         history)
     if wanted < current:
-        recent = [r.replicas for r in history
-                  if now - r.at <= policy.scale_down_stabilization_s]
-        target = min(current, max(recent))
+        recent = _window(history, now, policy.scale_down_stabilization_s)
+        target = min(current, max(recent)) if recent else current
         if target < current:
             return Decision(target, "ScaledDown", f"{signal}: {current} → {target} replicas",
                             history)

@@ -1,0 +1,148 @@
+"""Autoscaler decisions on synthetic load series, metric parsing, and the kopf timer
+scaling a pool through its scale subresource with an Event."""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import random
+
+import yaml
+
+from k8s_controllers import controllers
+from k8s_harness import cluster, connection, eventually, operator
+from sluice.operator import kube, metrics
+from sluice.operator.autoscale import LoadSample, decide
+from sluice.operator.spec import AutoscalingSpec
+
+POLICY = AutoscalingSpec(enabled=True, min_replicas=1, max_replicas=6,
+                         target_kv_cache_usage=0.7, target_queue_depth=8,
+                         scale_up_stabilization_s=30, scale_down_stabilization_s=120)
+
+
+def simulate(series, policy=POLICY, start=2, step=10.0):
+    """Feed (kv, queue) samples every `step` s; returns the replica count after each."""
+    replicas, history, out = start, (), []
+    for i, load in enumerate(series):
+        sample = None if load is None else LoadSample(load[0], load[1], replicas)
+        d = decide(policy, replicas, sample, history, now=i * step)
+        replicas, history = d.replicas, d.history
+        out.append(replicas)
+    return out
+
+
+def test_sustained_kv_pressure_scales_up_after_the_window():
+    out = simulate([(0.95, 0)] * 10)
+    # 0.95 / 0.7 → ceil(2 × 1.36) = 3, but only once the 30 s window saw it throughout
+    assert out[:3] == [2, 2, 2] and out[3] == 3
+    assert out[-1] > 3 and max(out) <= POLICY.max_replicas
+
+
+def test_a_single_spike_inside_the_window_does_not_scale():
+    out = simulate([(0.5, 0), (0.99, 40), (0.5, 0), (0.5, 0), (0.5, 0)])
+    assert out == [2, 2, 2, 2, 2]
+
+
+def test_queue_depth_alone_scales_up():
+    out = simulate([(0.3, 24)] * 5)
+    assert out[-1] > 2
+
+
+def test_idle_scales_down_only_after_the_down_window():
+    out = simulate([(0.0, 0)] * 20, start=4)
+    first_drop = out.index(next(x for x in out if x < 4))
+    assert first_drop * 10 >= POLICY.scale_down_stabilization_s
+    assert out[-1] == POLICY.min_replicas
+
+
+def test_within_tolerance_holds_steady():
+    assert simulate([(0.72, 0)] * 10) == [2] * 10
+
+
+def test_no_metrics_holds_but_enforces_bounds():
+    assert simulate([None] * 3, start=3) == [3, 3, 3]
+    assert simulate([None], start=9) == [POLICY.max_replicas]
+
+
+def test_never_outside_min_max_on_random_series():
+    rng = random.Random(0)
+    for _ in range(200):
+        series = [None if rng.random() < 0.1 else (rng.random(), rng.random() * 40)
+                  for _ in range(30)]
+        out = simulate(series, start=rng.randint(1, 6), step=rng.choice([1.0, 15.0, 60.0]))
+        assert all(POLICY.min_replicas <= r <= POLICY.max_replicas for r in out)
+
+
+def test_parse_engine_metrics():
+    text = """# HELP vllm:kv_cache_usage_perc KV usage
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{model_name="m"} 0.42
+vllm:num_requests_waiting{model_name="m"} 3.0
+vllm:num_requests_running{model_name="m"} 7.0
+"""
+    assert metrics.engine_load(metrics.parse_gauges(text)) == (0.42, 3.0)
+    old = 'vllm:gpu_cache_usage_perc{model_name="m"} 0.5\n'
+    assert metrics.engine_load(metrics.parse_gauges(old)) == (0.5, 0.0)
+    assert metrics.engine_load(metrics.parse_gauges("other 1\n")) is None
+    assert metrics.aggregate([(0.2, 1.0), (0.6, 3.0)]) == LoadSample(0.4, 2.0, 2)
+
+
+def test_timer_scales_the_pool_and_posts_an_event():
+    root = pathlib.Path(__file__).resolve().parents[1]
+    body = yaml.safe_load((root / "charts/sluice/examples/pool-cpu.yaml").read_text())
+    body["spec"]["autoscaling"] = {"enabled": True, "minReplicas": 1, "maxReplicas": 3,
+                                   "scaleUpStabilizationSeconds": 0,
+                                   "scaleDownStabilizationSeconds": 0}
+    load = {"kv": 0.99}
+
+    async def sampler(endpoints, role):
+        ready = [e for e in endpoints if e["ready"] and e["role"] == role]
+        return LoadSample(load["kv"], 0.0, len(ready)) if ready else None
+
+    async def scenario():
+        async with cluster() as (api, server), \
+                operator(server, sampler=sampler, autoscale_interval_s=0.2), controllers(api):
+            client = kube.KubeClient.from_connection(connection(server))
+            await client.create(kube.POOLS, "default", body)
+            pool = lambda: api.store.get(api.kind("inferencepools"), "default", "smollm2")
+            await eventually(lambda: pool()["spec"]["replicas"] == 3, 10, "scaled to max")
+            await eventually(lambda: api.store.get(api.kind("deployments"), "default",
+                                                   "smollm2-serve")["spec"]["replicas"] == 3,
+                             3, "Deployment follows")
+            status = pool()["status"]
+            assert status["kvCacheUsage"] == 0.99 and status["lastScaleTime"]
+            await eventually(lambda: "ScaledUp" in [
+                e.obj["reason"] for e in api.store.log if e.kind.plural == "events"], 3,
+                "a ScaledUp event")
+            load["kv"] = 0.0
+            await eventually(lambda: pool()["spec"]["replicas"] == 1, 10, "scaled to min")
+            await eventually(lambda: "ScaledDown" in [
+                e.obj["reason"] for e in api.store.log if e.kind.plural == "events"], 3,
+                "a ScaledDown event")
+            await client.close()
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_sample_pool_scrapes_ready_engines_of_the_role_and_skips_failures():
+    import httpx
+
+    pages = {"10.0.0.1": "vllm:kv_cache_usage_perc 0.2\nvllm:num_requests_waiting 2\n",
+             "10.0.0.2": "vllm:kv_cache_usage_perc 0.6\nvllm:num_requests_waiting 4\n"}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/metrics" and request.url.port == 8000
+        page = pages.get(request.url.host)
+        return httpx.Response(200, text=page) if page else httpx.Response(503)
+
+    endpoints = [
+        {"url": f"http://{ip}:8000", "ready": ready, "role": role}
+        for ip, ready, role in [("10.0.0.1", True, "serve"), ("10.0.0.2", True, "serve"),
+                                ("10.0.0.3", True, "serve"),  # answers 503: left out
+                                ("10.0.0.4", False, "serve"), ("10.0.0.5", True, "decode")]]
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+            return await metrics.sample_pool(http, endpoints, "serve", timeout=1.0)
+
+    sample = asyncio.run(scenario())
+    assert sample == LoadSample(0.4, 3.0, 2)
