@@ -280,6 +280,11 @@ class Tokenizer:
                    extra_eos_token_ids=_as_id_set(generation.get("eos_token_id")),
                    chat_template=_folder_chat_template(path, config), special_tokens=special)
 
+    @property
+    def backend(self) -> _HFTokenizer:
+        """The underlying `tokenizers.Tokenizer` (do not mutate it)."""
+        return self._tok
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; special tokens written in the text are matched whole."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids

@@ -49,7 +49,7 @@ def test_one_token_per_byte(tok: Tokenizer) -> None:
 
     spelling = _bytes_to_unicode()
     for text in MULTI_BYTE_TEXTS:
-        output = [tok._tok.token_to_id(spelling[b]) for b in text.encode()]
+        output = [tok.backend.token_to_id(spelling[b]) for b in text.encode()]
         assert None not in output
         deltas = _stream(tok, [], output)
         assert "".join(deltas) == text
@@ -80,7 +80,7 @@ def test_held_back_bytes_are_flushed_by_finish(tok: Tokenizer) -> None:
     from sluice.tokenizer import _bytes_to_unicode
 
     spelling = _bytes_to_unicode()
-    lead = tok._tok.token_to_id(spelling[0xF0])  # first byte of a 4-byte character
+    lead = tok.backend.token_to_id(spelling[0xF0])  # first byte of a 4-byte character
     detok = IncrementalDetokenizer(tok, tok.encode("Hi"))
     assert detok.add_token(tok.encode("A", False)[0]) == "A"
     assert detok.add_token(lead) == ""
@@ -92,7 +92,7 @@ def test_prompt_ending_mid_character(tok: Tokenizer) -> None:
     from sluice.tokenizer import _bytes_to_unicode
 
     spelling = _bytes_to_unicode()
-    emoji = [tok._tok.token_to_id(spelling[b]) for b in "😀".encode()]
+    emoji = [tok.backend.token_to_id(spelling[b]) for b in "😀".encode()]
     prompt = tok.encode("Hi") + emoji[:2]
     output = emoji[2:] + tok.encode(" ok", False)
     deltas = _stream(tok, prompt, output)
