@@ -106,7 +106,7 @@ def _k_quant_blocks(rng: np.random.Generator, shape: tuple[int, int], kind: Q) -
 
 def _write_gguf(path: str, arch: str, *, layers: int = 2, hidden: int = 256, heads: int = 4, kv_heads: int = 2,
                 head_dim: int = 64, ffn: int = 512, vocab: int = 80, tied: bool = False, bias: bool = False,
-                qk_norm: bool = False) -> dict[str, np.ndarray]:
+                qk_norm: bool = False, linear_rope: float | None = None) -> dict[str, np.ndarray]:
     """A small random checkpoint in llama.cpp's layout with mixed tensor types;
     returns each tensor as written (before quantization), in GGUF naming."""
     rng = np.random.default_rng(0)
@@ -125,6 +125,10 @@ def _write_gguf(path: str, arch: str, *, layers: int = 2, hidden: int = 256, hea
     writer.add_vocab_size(vocab)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    if linear_rope is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(linear_rope)
+        writer.add_rope_scaling_orig_ctx_len(128)
     shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
     if not tied:
         shapes["output.weight"] = (vocab, hidden)
@@ -168,14 +172,20 @@ def _write_gguf(path: str, arch: str, *, layers: int = 2, hidden: int = 256, hea
 @pytest.mark.parametrize("arch,options", [
     ("llama", {"kv_heads": 2}),
     ("llama", {"kv_heads": 4, "tied": True}),
-    ("qwen2", {"bias": True}),
+    ("qwen2", {"bias": True, "linear_rope": 4.0}),
     ("qwen3", {"qk_norm": True, "head_dim": 128, "heads": 2, "kv_heads": 1}),
 ])
 def test_synthetic_checkpoints_match_transformers(tmp_path, arch: str, options: dict) -> None:
     path = str(tmp_path / f"{arch}.gguf")
     written = _write_gguf(path, arch, **options)
-    _, ours, _ = _assert_matches_transformers(path, arch)
+    config, ours, _ = _assert_matches_transformers(path, arch)
     assert len(ours) == len(written)
+    assert config["attention_bias"] == options.get("bias", False)
+    if "linear_rope" in options:  # transformers' GGUF loader drops rope scaling; llama.cpp's keys
+        assert config["rope_scaling"] == {"rope_type": "linear", "factor": 4.0,
+                                          "original_max_position_embeddings": 128}
+    else:
+        assert "rope_scaling" not in config
     # The Q/K row order differs from the file only for llama (llama.cpp's rope permutation).
     q = ours["model.layers.0.self_attn.q_proj.weight"]
     raw_q = torch.from_numpy(written["blk.0.attn_q.weight"])

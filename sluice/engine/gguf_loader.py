@@ -2,8 +2,10 @@
 
 Contract of `load_gguf(path)`:
 * the config dict uses transformers' field names (model_type "llama" | "qwen2" |
-  "qwen3", hidden_size, ..., rope_theta, rope_scaling when the file states one,
-  tie_word_embeddings, bos/eos ids);
+  "qwen3", hidden_size, ..., rope_theta, tie_word_embeddings, bos/eos ids, and
+  rope_scaling = {"rope_type", "factor", "original_max_position_embeddings"}
+  when the file states `<arch>.rope.scaling.type`; llama.cpp's precomputed
+  `rope_freqs` tensor (Llama 3.1 style scaling) is skipped, as transformers does);
 * the iterator yields every tensor once, under its transformers name
   (model.embed_tokens.weight, model.layers.N.self_attn.q_proj.weight, ...,
   lm_head.weight only when the file has its own output matrix), dequantized
@@ -14,6 +16,8 @@ Contract of `load_gguf(path)`:
 
 from __future__ import annotations
 
+import functools
+import os
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -67,7 +71,7 @@ def _rope_scaling(reader: Any, arch: str) -> dict[str, Any] | None:
     kind = gguf_field(reader, f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
         return None
-    scaling: dict[str, Any] = {"rope_type": kind, "type": kind}
+    scaling: dict[str, Any] = {"rope_type": kind}
     factor = gguf_field(reader, f"{arch}.rope.scaling.factor")
     if factor is not None:
         scaling["factor"] = float(factor)
@@ -172,10 +176,18 @@ def iter_gguf_tensors(reader: Any, config: dict[str, Any]) -> Iterator[tuple[str
         yield name, torch.from_numpy(array)
 
 
-def load_gguf(path: str) -> tuple[dict[str, Any], Iterator[tuple[str, torch.Tensor]]]:
-    """Config dict and a lazy iterator of float32 tensors from a GGUF file."""
+@functools.lru_cache(maxsize=1)
+def _open_reader(path: str, mtime_ns: int, size: int) -> Any:
+    """One parsed, read-only mapping of the file, reused while it is unchanged
+    (the engine reads the config, then the weights: parsing costs ~2 s)."""
     from gguf import GGUFReader
 
-    reader = GGUFReader(path, "r")
+    return GGUFReader(path, "r")
+
+
+def load_gguf(path: str) -> tuple[dict[str, Any], Iterator[tuple[str, torch.Tensor]]]:
+    """Config dict and a lazy iterator of float32 tensors from a GGUF file."""
+    stat = os.stat(path)
+    reader = _open_reader(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
     config = gguf_config(reader)
     return config, iter_gguf_tensors(reader, config)
