@@ -1,0 +1,72 @@
+{{/* Chart name, truncated to a DNS label. */}}
+{{- define "sluice.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Release-qualified name used as the prefix of every object. */}}
+{{- define "sluice.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else if contains (include "sluice.name" .) .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name (include "sluice.name" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "sluice.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/part-of: sluice
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{/* Selector labels of one component: include "sluice.selector" (list . "gateway") */}}
+{{- define "sluice.selector" -}}
+app.kubernetes.io/name: {{ include "sluice.name" (index . 0) }}-{{ index . 1 }}
+app.kubernetes.io/instance: {{ (index . 0).Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
+{{- define "sluice.image" -}}
+{{- $img := index . 0 -}}{{- $root := index . 1 -}}
+{{- printf "%s:%s" $img.repository (default $root.Chart.AppVersion $img.tag) -}}
+{{- end -}}
+
+{{/* The Redis URL as an env var entry (from a Secret when one is given). */}}
+{{- define "sluice.redisEnv" -}}
+{{- if .Values.redis.existingSecret }}
+- name: SLUICE_REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.redis.existingSecret }}
+      key: {{ .Values.redis.existingSecretKey }}
+{{- else if .Values.redis.enabled }}
+- name: SLUICE_REDIS_URL
+  value: {{ printf "redis://%s-redis:6379/0" (include "sluice.fullname" .) | quote }}
+{{- else if .Values.redis.externalUrl }}
+- name: SLUICE_REDIS_URL
+  value: {{ .Values.redis.externalUrl | quote }}
+{{- end }}
+{{- end -}}
+
+{{- define "sluice.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 10001
+runAsGroup: 10001
+fsGroup: 10001
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "sluice.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: ["ALL"]
+{{- end -}}
+
+{{- define "sluice.gatewayNamespace" -}}
+{{- default .Release.Namespace .Values.gateway.watchNamespace -}}
+{{- end -}}
