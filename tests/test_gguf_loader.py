@@ -106,7 +106,8 @@ def _k_quant_blocks(rng: np.random.Generator, shape: tuple[int, int], kind: Q) -
 
 def _write_gguf(path: str, arch: str, *, layers: int = 2, hidden: int = 256, heads: int = 4, kv_heads: int = 2,
                 head_dim: int = 64, ffn: int = 512, vocab: int = 80, tied: bool = False, bias: bool = False,
-                qk_norm: bool = False, linear_rope: float | None = None) -> dict[str, np.ndarray]:
+                qk_norm: bool = False, linear_rope: float | None = None,
+                vocab_in_metadata: bool = True) -> dict[str, np.ndarray]:
     """A small random checkpoint in llama.cpp's layout with mixed tensor types;
     returns each tensor as written (before quantization), in GGUF naming."""
     rng = np.random.default_rng(0)
@@ -122,7 +123,8 @@ def _write_gguf(path: str, arch: str, *, layers: int = 2, hidden: int = 256, hea
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(1e6)
-    writer.add_vocab_size(vocab)
+    if vocab_in_metadata:
+        writer.add_vocab_size(vocab)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     if linear_rope is not None:
@@ -193,6 +195,13 @@ def test_synthetic_checkpoints_match_transformers(tmp_path, arch: str, options: 
     assert ((q - raw_q).abs().mean() < 0.3) == (arch != "llama")
     v = ours["model.layers.0.self_attn.v_proj.weight"]
     assert (v - torch.from_numpy(written["blk.0.attn_v.weight"])).abs().mean() < 0.3
+
+
+def test_vocab_size_defaults_to_embedding_rows(tmp_path) -> None:
+    path = str(tmp_path / "novocab.gguf")
+    _write_gguf(path, "qwen3", layers=1, vocab=96, qk_norm=True, vocab_in_metadata=False)
+    config, tensors = load_gguf(path)
+    assert config["vocab_size"] == 96 == next(t for n, t in tensors if n == "model.embed_tokens.weight").shape[0]
 
 
 def test_unknown_tensors_and_architectures_are_errors(tmp_path) -> None:

@@ -81,9 +81,12 @@ def _rope_scaling(reader: Any, arch: str) -> dict[str, Any] | None:
     return scaling
 
 
-def _token_count(reader: Any) -> int:
-    field = reader.fields.get("tokenizer.ggml.tokens")
-    return len(field.data) if field is not None else 0
+def _embedding_rows(reader: Any) -> int:
+    """Rows of token_embd (GGUF lists dimensions innermost first)."""
+    for tensor in reader.tensors:
+        if tensor.name == "token_embd.weight":
+            return int(tensor.shape[-1])
+    raise ValueError("GGUF file has no token_embd.weight tensor")
 
 
 def gguf_config(reader: Any) -> dict[str, Any]:
@@ -118,7 +121,7 @@ def gguf_config(reader: Any) -> dict[str, Any]:
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(key("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(key("context_length")),
-        "vocab_size": int(gguf_field(reader, f"{arch}.vocab_size", _token_count(reader))),
+        "vocab_size": int(gguf_field(reader, f"{arch}.vocab_size", _embedding_rows(reader))),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "hidden_act": "silu",
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
