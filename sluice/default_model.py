@@ -45,9 +45,7 @@ def resolve_default_model() -> str:
         path = os.path.join(folder, _DEFAULT_MODEL_FILE)
         if os.path.isfile(path):
             return os.path.abspath(path)
-    raise ModelNotFoundError(
-        f"{_DEFAULT_MODEL_FILE} not found in {', '.join(locations)}: {hint}"
-    )
+    raise ModelNotFoundError(f"{_DEFAULT_MODEL_FILE} not found in {', '.join(locations)}: {hint}")
 
 
 def resolve_model(name: str | None) -> str:

@@ -24,7 +24,7 @@ import json
 import os
 from collections.abc import Iterable, Mapping
 from datetime import datetime
-from typing import Any
+from typing import Any, ClassVar
 
 import jinja2
 import jinja2.ext
@@ -46,7 +46,9 @@ _QWEN2_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _SPLIT_REGEX_PRE = {
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3"), _LLAMA3_SPLIT),
+    **dict.fromkeys(
+        ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3"), _LLAMA3_SPLIT
+    ),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2_SPLIT),
 }
 # Every digit is its own pre-token, then the GPT-2 regex (llama.cpp's "\p{N}" +
@@ -94,7 +96,9 @@ def _gguf_byte_level_tokenizer(reader: Any) -> tuple[_HFTokenizer, dict[str, Any
     """Build a byte-level BPE `tokenizers.Tokenizer` from GGUF metadata."""
     kind = gguf_field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')")
+        raise ValueError(
+            f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')"
+        )
     tokens: list[str] = gguf_field(reader, "tokenizer.ggml.tokens")
     types: list[int] = gguf_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
     merges: list[str] = gguf_field(reader, "tokenizer.ggml.merges") or []
@@ -110,41 +114,61 @@ def _gguf_byte_level_tokenizer(reader: Any) -> tuple[_HFTokenizer, dict[str, Any
     tok = _HFTokenizer(models.BPE(vocab=vocab, merges=pairs))
     pre = gguf_field(reader, "tokenizer.ggml.pre", "default")
     if pre in _SPLIT_REGEX_PRE:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_SPLIT_REGEX_PRE[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_SPLIT_REGEX_PRE[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     elif pre in _DIGITS_PRE:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
     else:  # "gpt-2", "default" and the rest: GPT-2's own regex inside ByteLevel
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     # Control tokens are special; user-defined ones are matched whole but not special.
     # One whose text is not in the byte alphabet is a llama.cpp mislabel; skip it.
-    tok.add_special_tokens([
-        AddedToken(t, normalized=False, special=True)
-        for t, kind_ in zip(tokens, types) if kind_ == _GGUF_CONTROL and set(t) <= alphabet
-    ])
-    tok.add_tokens([
-        AddedToken(t, normalized=False, special=False)
-        for t, kind_ in zip(tokens, types) if kind_ == _GGUF_USER_DEFINED and set(t) <= alphabet
-    ])
-    special = {name: gguf_field(reader, f"tokenizer.ggml.{name}_token_id")
-               for name in ("bos", "eos", "eot", "eom", "unknown", "padding")}
+    tok.add_special_tokens(
+        [
+            AddedToken(t, normalized=False, special=True)
+            for t, kind_ in zip(tokens, types)
+            if kind_ == _GGUF_CONTROL and set(t) <= alphabet
+        ]
+    )
+    tok.add_tokens(
+        [
+            AddedToken(t, normalized=False, special=False)
+            for t, kind_ in zip(tokens, types)
+            if kind_ == _GGUF_USER_DEFINED and set(t) <= alphabet
+        ]
+    )
+    special = {
+        name: gguf_field(reader, f"tokenizer.ggml.{name}_token_id")
+        for name in ("bos", "eos", "eot", "eom", "unknown", "padding")
+    }
     bos, eos = special["bos"], special["eos"]
     # llama.cpp adds BOS / EOS around the text when these flags say so.
     add_bos = bos is not None and bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False))
     add_eos = eos is not None and bool(gguf_field(reader, "tokenizer.ggml.add_eos_token", False))
     if add_bos or add_eos:
-        single = " ".join([f"{tokens[bos]}:0"] * add_bos + ["$A:0"] + [f"{tokens[eos]}:0"] * add_eos)
+        single = " ".join(
+            [f"{tokens[bos]}:0"] * add_bos + ["$A:0"] + [f"{tokens[eos]}:0"] * add_eos
+        )
         ids = [(tokens[bos], bos)] * add_bos + [(tokens[eos], eos)] * add_eos
         tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=ids)
-    names = {"bos_token": bos, "eos_token": eos, "unk_token": special["unknown"], "pad_token": special["padding"]}
+    names = {
+        "bos_token": bos,
+        "eos_token": eos,
+        "unk_token": special["unknown"],
+        "pad_token": special["padding"],
+    }
     return tok, {
-        "bos_token_id": bos, "eos_token_id": eos,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
         "eos_ids": {special[k] for k in ("eos", "eot", "eom") if special[k] is not None},
         "chat_template": gguf_field(reader, "tokenizer.chat_template"),
         "special_tokens": {name: tokens[i] for name, i in names.items() if i is not None},
@@ -188,7 +212,7 @@ class _GenerationTag(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}` renders its body (transformers
     uses it to track assistant tokens; rendering is unchanged)."""
 
-    tags = {"generation"}
+    tags: ClassVar[set[str]] = {"generation"}
 
     def parse(self, parser: Any) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
@@ -203,9 +227,16 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Any = None, sort_keys: bool = False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -214,8 +245,9 @@ def _strftime_now(fmt: str) -> str:
 
 @functools.lru_cache(maxsize=16)
 def _compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -244,41 +276,70 @@ def _plain(value: Any) -> Any:
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus the special ids and chat template around it."""
 
-    def __init__(self, backend: _HFTokenizer, *, bos_token_id: int | None, eos_token_id: int | None,
-                 extra_eos_token_ids: Iterable[int] = (), chat_template: str | None = None,
-                 special_tokens: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        backend: _HFTokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        extra_eos_token_ids: Iterable[int] = (),
+        chat_template: str | None = None,
+        special_tokens: Mapping[str, str] | None = None,
+    ) -> None:
         """`special_tokens` ({"bos_token": text, ...}) are chat-template variables."""
         self._tok = backend
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.eos_token_ids: frozenset[int] = frozenset(
-            {*extra_eos_token_ids, *([eos_token_id] if eos_token_id is not None else [])})
+            {*extra_eos_token_ids, *([eos_token_id] if eos_token_id is not None else [])}
+        )
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self.chat_template = chat_template
         self._special_vars = dict(special_tokens or {})
 
     @classmethod
     def from_path(cls, path: str) -> Tokenizer:
-        """Load from an HF model folder or a .gguf file (offline)."""
-        if os.path.isfile(path) and path.endswith(".gguf"):
+        """Load from an HF model folder or a GGUF file (offline)."""
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                if f.read(4) != b"GGUF":
+                    raise ValueError(f"{path!r} is a file but not a GGUF file")
             import gguf
 
             backend, meta = _gguf_byte_level_tokenizer(gguf.GGUFReader(path))
-            return cls(backend, bos_token_id=meta["bos_token_id"], eos_token_id=meta["eos_token_id"],
-                       extra_eos_token_ids=meta["eos_ids"], chat_template=meta["chat_template"],
-                       special_tokens=meta["special_tokens"])
+            return cls(
+                backend,
+                bos_token_id=meta["bos_token_id"],
+                eos_token_id=meta["eos_token_id"],
+                extra_eos_token_ids=meta["eos_ids"],
+                chat_template=meta["chat_template"],
+                special_tokens=meta["special_tokens"],
+            )
         tokenizer_json = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tokenizer_json):
-            raise FileNotFoundError(f"{path!r} is neither a .gguf file nor a folder with tokenizer.json")
+            raise FileNotFoundError(
+                f"{path!r} is neither a .gguf file nor a folder with tokenizer.json"
+            )
         backend = _HFTokenizer.from_file(tokenizer_json)
         config = _read_json(os.path.join(path, "tokenizer_config.json"))
         generation = _read_json(os.path.join(path, "generation_config.json"))
-        names = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        names = {
+            name: _token_text(config.get(name))
+            for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+        }
         special = {name: text for name, text in names.items() if text is not None}
-        bos, eos = (backend.token_to_id(special[n]) if n in special else None for n in ("bos_token", "eos_token"))
-        return cls(backend, bos_token_id=bos, eos_token_id=eos,
-                   extra_eos_token_ids=_as_id_set(generation.get("eos_token_id")),
-                   chat_template=_folder_chat_template(path, config), special_tokens=special)
+        bos, eos = (
+            backend.token_to_id(special[n]) if n in special else None
+            for n in ("bos_token", "eos_token")
+        )
+        return cls(
+            backend,
+            bos_token_id=bos,
+            eos_token_id=eos,
+            extra_eos_token_ids=_as_id_set(generation.get("eos_token_id")),
+            chat_template=_folder_chat_template(path, config),
+            special_tokens=special,
+        )
 
     @property
     def backend(self) -> _HFTokenizer:
@@ -297,8 +358,13 @@ class Tokenizer:
         """Vocabulary strings of `ids` ("" for an id outside the vocabulary)."""
         return [self._tok.id_to_token(int(i)) or "" for i in ids]
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list | None = None, **kwargs: Any) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list | None = None,
+        **kwargs: Any,
+    ) -> str:
         """Render `messages` with the chat template, exactly as transformers'
         `apply_chat_template(tokenize=False)`. Extra kwargs become template
         variables (and override bos_token/eos_token/... if given)."""
@@ -308,19 +374,32 @@ class Tokenizer:
         for i, message in enumerate(chat):
             if not isinstance(message, dict):
                 raise TypeError(f"chat messages must be dicts, got {message!r}")
-            reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+            reasoning = next(
+                (message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None
+            )
             if reasoning is not None:
                 chat[i] = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         documents = _plain(kwargs.pop("documents", None))
         variables = {**self._special_vars, **_plain(kwargs)}
         return _compile_template(self.chat_template).render(
-            messages=chat, tools=_plain(tools), documents=documents,
-            add_generation_prompt=add_generation_prompt, **variables)
+            messages=chat,
+            tools=_plain(tools),
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list | None = None, **kwargs: Any) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list | None = None,
+        **kwargs: Any,
+    ) -> list[int]:
         """`encode(apply_chat_template(...), add_special_tokens=False)`."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
+        text = self.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs
+        )
         return self.encode(text, add_special_tokens=False)
 
 
@@ -333,14 +412,16 @@ class IncrementalDetokenizer:
     returns whatever is still held back at the end of the stream.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._ids: list[int] = list(prompt_token_ids)
         self._prompt_len = len(self._ids)
         self._read_offset = len(self._ids)
         self._prefix_offset = max(len(self._ids) - _INCREMENTAL_CONTEXT_TOKENS, 0)
-        context = tokenizer.decode(self._ids[self._prefix_offset:], skip_special_tokens)
+        context = tokenizer.decode(self._ids[self._prefix_offset :], skip_special_tokens)
         if context.endswith(_REPLACEMENT_CHAR):  # prompt ends mid-character: start clean
             self._prefix_offset = self._read_offset
         self.output_text = ""  # concatenation of every delta returned so far
@@ -348,15 +429,17 @@ class IncrementalDetokenizer:
     @property
     def output_token_ids(self) -> list[int]:
         """The ids added after the prompt."""
-        return self._ids[self._prompt_len:]
+        return self._ids[self._prompt_len :]
 
     def _delta(self, final: bool) -> str:
         decode = self._tokenizer.decode
-        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset], self._skip)
-        new_text = decode(self._ids[self._prefix_offset:], self._skip)
-        if len(new_text) <= len(prefix_text) or (new_text.endswith(_REPLACEMENT_CHAR) and not final):
+        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
+        new_text = decode(self._ids[self._prefix_offset :], self._skip)
+        if len(new_text) <= len(prefix_text) or (
+            new_text.endswith(_REPLACEMENT_CHAR) and not final
+        ):
             return ""
-        delta = new_text[len(prefix_text):]
+        delta = new_text[len(prefix_text) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         self.output_text += delta
         return delta

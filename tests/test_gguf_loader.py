@@ -14,12 +14,22 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-from sluice.default_model import resolve_default_model  # noqa: E402
-from sluice.engine.gguf_loader import hf_tensor_name, load_gguf  # noqa: E402
+from sluice.default_model import resolve_default_model
+from sluice.engine.gguf_loader import hf_tensor_name, load_gguf
 
-CONFIG_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "rms_norm_eps", "max_position_embeddings", "vocab_size",
-                 "tie_word_embeddings", "bos_token_id", "eos_token_id")
+CONFIG_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "vocab_size",
+    "tie_word_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+)
 
 
 def _reference(path: str, fast: bool = False) -> tuple[object, dict[str, torch.Tensor]]:
@@ -36,17 +46,23 @@ def _reference(path: str, fast: bool = False) -> tuple[object, dict[str, torch.T
 
     folder, name = os.path.dirname(path), os.path.basename(path)
     if not fast and importlib.util.find_spec("accelerate") is not None:
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, dtype=torch.float32
+        )
         return model.config, model.state_dict()
     if fast:
         metadata, _ = read_gguf_metadata(path)
         arch = metadata["general.architecture"]
-        config = transformers.AutoConfig.for_model(arch, num_hidden_layers=metadata[f"{arch}.block_count"])
+        config = transformers.AutoConfig.for_model(
+            arch, num_hidden_layers=metadata[f"{arch}.block_count"]
+        )
     else:
         config = transformers.AutoConfig.from_pretrained(folder, gguf_file=name)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
-    parsed = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model, torch_dtype=torch.float32)
+    parsed = load_gguf_checkpoint(
+        path, return_tensors=True, model_to_load=model, torch_dtype=torch.float32
+    )
     fields = dict(parsed["config"])
     ref_config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
     tensors = parsed["tensors"]
@@ -55,8 +71,9 @@ def _reference(path: str, fast: bool = False) -> tuple[object, dict[str, torch.T
     return ref_config, tensors
 
 
-def _assert_matches_transformers(path: str, expected_type: str,
-                                 fast: bool = False) -> tuple[dict, dict[str, torch.Tensor], float]:
+def _assert_matches_transformers(
+    path: str, expected_type: str, fast: bool = False
+) -> tuple[dict, dict[str, torch.Tensor], float]:
     """Load `path` with sluice and with transformers, assert they agree;
     return our config, tensors and load time."""
     start = time.perf_counter()
@@ -68,10 +85,15 @@ def _assert_matches_transformers(path: str, expected_type: str,
     for field in CONFIG_FIELDS:
         assert config[field] == getattr(ref_config, field), field
     # Qwen2Config has no head_dim attribute: it is hidden_size // num_attention_heads there
-    ref_head_dim = getattr(ref_config, "head_dim", None) or ref_config.hidden_size // ref_config.num_attention_heads
+    ref_head_dim = (
+        getattr(ref_config, "head_dim", None)
+        or ref_config.hidden_size // ref_config.num_attention_heads
+    )
     assert config["head_dim"] == ref_head_dim
     assert config["rope_theta"] == ref_config.rope_parameters["rope_theta"]
-    expected_names = set(ref_tensors) - ({"lm_head.weight"} if config["tie_word_embeddings"] else set())
+    expected_names = set(ref_tensors) - (
+        {"lm_head.weight"} if config["tie_word_embeddings"] else set()
+    )
     assert set(ours) == expected_names
     for name, tensor in ours.items():
         assert tensor.dtype == torch.float32 and tensor.is_contiguous(), name
@@ -80,7 +102,9 @@ def _assert_matches_transformers(path: str, expected_type: str,
 
 
 def test_bundled_smollm2_matches_transformers() -> None:
-    config, ours, seconds = _assert_matches_transformers(resolve_default_model(), "llama", fast=True)
+    config, ours, seconds = _assert_matches_transformers(
+        resolve_default_model(), "llama", fast=True
+    )
     assert seconds < 30  # ~3.5 s on one free core
     assert len(ours) == 272 and config["tie_word_embeddings"] and config["head_dim"] == 64
     assert config["rope_theta"] == 100000.0 and "rope_scaling" not in config
@@ -95,7 +119,9 @@ def _k_quant_blocks(rng: np.random.Generator, shape: tuple[int, int], kind: Q) -
     """Random K-quant blocks (gguf-py cannot quantize these) with sane f16 scales."""
     block, size = gguf.GGML_QUANT_SIZES[kind]
     raw = rng.integers(0, 256, size=(shape[0], shape[1] // block, size), dtype=np.uint8)
-    scales = np.full(raw.shape[:2], 0.01, dtype=np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+    scales = (
+        np.full(raw.shape[:2], 0.01, dtype=np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+    )
     if kind == Q.Q6_K:  # ... scales[16] int8, d f16 (last)
         raw[..., -2:] = scales
     else:  # Q4_K: d f16, dmin f16, scales[12], qs[128]
@@ -104,10 +130,23 @@ def _k_quant_blocks(rng: np.random.Generator, shape: tuple[int, int], kind: Q) -
     return raw.reshape(shape[0], -1)
 
 
-def _write_gguf(path: str, arch: str, *, layers: int = 2, hidden: int = 256, heads: int = 4, kv_heads: int = 2,
-                head_dim: int = 64, ffn: int = 512, vocab: int = 80, tied: bool = False, bias: bool = False,
-                qk_norm: bool = False, linear_rope: float | None = None,
-                vocab_in_metadata: bool = True) -> dict[str, np.ndarray]:
+def _write_gguf(
+    path: str,
+    arch: str,
+    *,
+    layers: int = 2,
+    hidden: int = 256,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 64,
+    ffn: int = 512,
+    vocab: int = 80,
+    tied: bool = False,
+    bias: bool = False,
+    qk_norm: bool = False,
+    linear_rope: float | None = None,
+    vocab_in_metadata: bool = True,
+) -> dict[str, np.ndarray]:
     """A small random checkpoint in llama.cpp's layout with mixed tensor types;
     returns each tensor as written (before quantization), in GGUF naming."""
     rng = np.random.default_rng(0)
@@ -135,13 +174,23 @@ def _write_gguf(path: str, arch: str, *, layers: int = 2, hidden: int = 256, hea
     if not tied:
         shapes["output.weight"] = (vocab, hidden)
     for i in range(layers):
-        block = {"attn_norm.weight": (hidden,), "ffn_norm.weight": (hidden,),
-                 "attn_q.weight": (heads * head_dim, hidden), "attn_k.weight": (kv_heads * head_dim, hidden),
-                 "attn_v.weight": (kv_heads * head_dim, hidden), "attn_output.weight": (hidden, heads * head_dim),
-                 "ffn_gate.weight": (ffn, hidden), "ffn_up.weight": (ffn, hidden), "ffn_down.weight": (hidden, ffn)}
+        block = {
+            "attn_norm.weight": (hidden,),
+            "ffn_norm.weight": (hidden,),
+            "attn_q.weight": (heads * head_dim, hidden),
+            "attn_k.weight": (kv_heads * head_dim, hidden),
+            "attn_v.weight": (kv_heads * head_dim, hidden),
+            "attn_output.weight": (hidden, heads * head_dim),
+            "ffn_gate.weight": (ffn, hidden),
+            "ffn_up.weight": (ffn, hidden),
+            "ffn_down.weight": (hidden, ffn),
+        }
         if bias:
-            block |= {"attn_q.bias": (heads * head_dim,), "attn_k.bias": (kv_heads * head_dim,),
-                      "attn_v.bias": (kv_heads * head_dim,)}
+            block |= {
+                "attn_q.bias": (heads * head_dim,),
+                "attn_k.bias": (kv_heads * head_dim,),
+                "attn_v.bias": (kv_heads * head_dim,),
+            }
         if qk_norm:
             block |= {"attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)}
         shapes |= {f"blk.{i}.{k}": v for k, v in block.items()}
@@ -171,12 +220,15 @@ def _write_gguf(path: str, arch: str, *, layers: int = 2, hidden: int = 256, hea
     return written
 
 
-@pytest.mark.parametrize("arch,options", [
-    ("llama", {"kv_heads": 2}),
-    ("llama", {"kv_heads": 4, "tied": True}),
-    ("qwen2", {"bias": True, "linear_rope": 4.0}),
-    ("qwen3", {"qk_norm": True, "head_dim": 128, "heads": 2, "kv_heads": 1}),
-])
+@pytest.mark.parametrize(
+    "arch,options",
+    [
+        ("llama", {"kv_heads": 2}),
+        ("llama", {"kv_heads": 4, "tied": True}),
+        ("qwen2", {"bias": True, "linear_rope": 4.0}),
+        ("qwen3", {"qk_norm": True, "head_dim": 128, "heads": 2, "kv_heads": 1}),
+    ],
+)
 def test_synthetic_checkpoints_match_transformers(tmp_path, arch: str, options: dict) -> None:
     path = str(tmp_path / f"{arch}.gguf")
     written = _write_gguf(path, arch, **options)
@@ -184,8 +236,11 @@ def test_synthetic_checkpoints_match_transformers(tmp_path, arch: str, options: 
     assert len(ours) == len(written)
     assert config["attention_bias"] == options.get("bias", False)
     if "linear_rope" in options:  # transformers' GGUF loader drops rope scaling; llama.cpp's keys
-        assert config["rope_scaling"] == {"rope_type": "linear", "factor": 4.0,
-                                          "original_max_position_embeddings": 128}
+        assert config["rope_scaling"] == {
+            "rope_type": "linear",
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+        }
     else:
         assert "rope_scaling" not in config
     # The Q/K row order differs from the file only for llama (llama.cpp's rope permutation).
@@ -201,7 +256,11 @@ def test_vocab_size_defaults_to_embedding_rows(tmp_path) -> None:
     path = str(tmp_path / "novocab.gguf")
     _write_gguf(path, "qwen3", layers=1, vocab=96, qk_norm=True, vocab_in_metadata=False)
     config, tensors = load_gguf(path)
-    assert config["vocab_size"] == 96 == next(t for n, t in tensors if n == "model.embed_tokens.weight").shape[0]
+    assert (
+        config["vocab_size"]
+        == 96
+        == next(t for n, t in tensors if n == "model.embed_tokens.weight").shape[0]
+    )
 
 
 def test_unknown_tensors_and_architectures_are_errors(tmp_path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import unicodedata
 
 import pytest
@@ -62,17 +63,20 @@ def ours(gguf_path: str) -> Tokenizer:
 @pytest.fixture(scope="module")
 def ref(gguf_path: str):
     return transformers.AutoTokenizer.from_pretrained(
-        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path)
+    )
 
 
 @pytest.fixture(scope="module")
 def ref_smollm_split(ref) -> HFTokenizer:
     """transformers' tokenizer with SmolLM2's published pre-tokenizer."""
     backend = HFTokenizer.from_str(ref.backend_tokenizer.to_str())
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     return backend
 
 
@@ -88,7 +92,9 @@ def hf_folder(ref, tmp_path_factory) -> str:
 @pytest.mark.parametrize("add_special_tokens", [True, False])
 def test_gguf_ids_match_transformers(ours, ref, ref_smollm_split, add_special_tokens) -> None:
     for text in TEXTS:
-        assert ours.encode(text, add_special_tokens) == ref.encode(text, add_special_tokens=add_special_tokens), text
+        assert ours.encode(text, add_special_tokens) == ref.encode(
+            text, add_special_tokens=add_special_tokens
+        ), text
     for text in TEXTS + DIGIT_AFTER_SPACE_TEXTS:
         expected = ref_smollm_split.encode(text, add_special_tokens=add_special_tokens).ids
         assert ours.encode(text, add_special_tokens) == expected, text
@@ -102,7 +108,9 @@ def test_no_merge_touches_a_numeric_character(ours) -> None:
     for merge in merges:
         pair = merge.split(" ") if isinstance(merge, str) else merge
         text = bytes(to_byte[c] for c in "".join(pair)).decode("utf-8", "replace")
-        assert len(text) == 1 or not any(unicodedata.category(c).startswith("N") for c in text), pair
+        assert len(text) == 1 or not any(unicodedata.category(c).startswith("N") for c in text), (
+            pair
+        )
 
 
 def test_gguf_special_tokens_and_template(ours, ref) -> None:
@@ -120,15 +128,21 @@ def test_decode_matches_transformers(ours, ref, skip) -> None:
     rng = random.Random(7)
     for _ in range(50):
         ids = [rng.randrange(ours.vocab_size) for _ in range(rng.randrange(1, 30))] + [2]
-        assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip)
+        assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(
+            ids, skip_special_tokens=skip
+        )
 
 
 @pytest.mark.parametrize("system", [False, True])
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_chat_template_matches_transformers(ours, ref, ref_smollm_split, system, add_generation_prompt) -> None:
+def test_chat_template_matches_transformers(
+    ours, ref, ref_smollm_split, system, add_generation_prompt
+) -> None:
     messages = (SYSTEM if system else []) + MULTI_TURN
     text = ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    assert text == ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert text == ref.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
     ids = ours.encode_chat(messages, add_generation_prompt=add_generation_prompt)
     assert ids == ref_smollm_split.encode(text, add_special_tokens=False).ids
     assert ids[0] == 1 and ids.count(2) == len(messages) + (not system)
@@ -145,8 +159,9 @@ def test_hf_folder_matches_transformers(hf_folder) -> None:
     assert ours.vocab_size == len(ref)
     for messages in (MULTI_TURN, SYSTEM + MULTI_TURN):
         for gen in (True, False):
-            assert ours.apply_chat_template(messages, add_generation_prompt=gen) == ref.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=gen)
+            assert ours.apply_chat_template(
+                messages, add_generation_prompt=gen
+            ) == ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
 
 
 TOOL_TEMPLATE = """{%- set ns = namespace(n=0) -%}
@@ -168,19 +183,34 @@ TOOL_TEMPLATE = """{%- set ns = namespace(n=0) -%}
 
 def test_custom_template_features_match_transformers(hf_folder, tmp_path) -> None:
     folder = tmp_path / "tools"
-    folder.mkdir()
-    for name in os.listdir(hf_folder):
-        (folder / name).write_bytes((open(os.path.join(hf_folder, name), "rb")).read())
+    shutil.copytree(hf_folder, folder)
     (folder / "chat_template.jinja").write_text(TOOL_TEMPLATE)
     ref = transformers.AutoTokenizer.from_pretrained(str(folder))
     ours = Tokenizer.from_path(str(folder))
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Météo <html> & \"quotes\"",
-                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
-    messages = SYSTEM + MULTI_TURN[:2] + [{"role": "assistant", "content": "  ok  ", "reasoning": "because"}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": 'Météo <html> & "quotes"',
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    messages = (
+        SYSTEM
+        + MULTI_TURN[:2]
+        + [{"role": "assistant", "content": "  ok  ", "reasoning": "because"}]
+    )
     for kwargs in ({}, {"flag": "on"}):
         for gen in (True, False):
-            expected = ref.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=gen, **kwargs)
-            assert ours.apply_chat_template(messages, add_generation_prompt=gen, tools=tools, **kwargs) == expected
+            expected = ref.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=gen, **kwargs
+            )
+            assert (
+                ours.apply_chat_template(messages, add_generation_prompt=gen, tools=tools, **kwargs)
+                == expected
+            )
     import jinja2
 
     with pytest.raises(jinja2.exceptions.TemplateError, match="bad role"):

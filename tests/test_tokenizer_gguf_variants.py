@@ -31,22 +31,46 @@ def small_vocab() -> dict:
     reader = gguf.GGUFReader(resolve_default_model())
     tokens = gguf_field(reader, "tokenizer.ggml.tokens")[:KEEP]
     kept = set(tokens)
-    merges = [m for m in gguf_field(reader, "tokenizer.ggml.merges")
-              if (parts := m.split(" ")) and parts[0] in kept and parts[1] in kept and "".join(parts) in kept]
+    merges = [
+        m
+        for m in gguf_field(reader, "tokenizer.ggml.merges")
+        if (parts := m.split(" "))
+        and parts[0] in kept
+        and parts[1] in kept
+        and "".join(parts) in kept
+    ]
     types = gguf_field(reader, "tokenizer.ggml.token_type")[:KEEP]
     assert len(merges) > 2000
-    return {"tokens": tokens, "merges": merges, "types": types,
-            "template": gguf_field(reader, "tokenizer.chat_template")}
+    return {
+        "tokens": tokens,
+        "merges": merges,
+        "types": types,
+        "template": gguf_field(reader, "tokenizer.chat_template"),
+    }
 
 
-def _write(path: str, vocab: dict, *, pre: str, add_bos: bool, add_eos: bool, retype: dict[int, int],
-           rename: dict[int, str]) -> None:
+def _write(
+    path: str,
+    vocab: dict,
+    *,
+    pre: str,
+    add_bos: bool,
+    add_eos: bool,
+    retype: dict[int, int],
+    rename: dict[int, str],
+) -> None:
     tokens = [rename.get(i, t) for i, t in enumerate(vocab["tokens"])]
     types = [retype.get(i, t) for i, t in enumerate(vocab["types"])]
     writer = gguf.GGUFWriter(path, "llama")
-    for add, value in ((writer.add_block_count, 1), (writer.add_context_length, 64), (writer.add_embedding_length, 8),
-                       (writer.add_feed_forward_length, 16), (writer.add_head_count, 2),
-                       (writer.add_head_count_kv, 1), (writer.add_vocab_size, len(tokens))):
+    for add, value in (
+        (writer.add_block_count, 1),
+        (writer.add_context_length, 64),
+        (writer.add_embedding_length, 8),
+        (writer.add_feed_forward_length, 16),
+        (writer.add_head_count, 2),
+        (writer.add_head_count_kv, 1),
+        (writer.add_vocab_size, len(tokens)),
+    ):
         add(value)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_tokenizer_model("gpt2")
@@ -65,19 +89,31 @@ def _write(path: str, vocab: dict, *, pre: str, add_bos: bool, add_eos: bool, re
     writer.close()
 
 
-@pytest.mark.parametrize("pre,add_bos,add_eos", [
-    ("llama-bpe", True, False),
-    ("qwen2", False, True),
-    ("gpt-2", True, True),
-    ("some-future-pre", False, False),  # unknown: GPT-2's split, as transformers does
-])
-def test_variant_matches_transformers(tmp_path, small_vocab, pre: str, add_bos: bool, add_eos: bool) -> None:
+@pytest.mark.parametrize(
+    "pre,add_bos,add_eos",
+    [
+        ("llama-bpe", True, False),
+        ("qwen2", False, True),
+        ("gpt-2", True, True),
+        ("some-future-pre", False, False),  # unknown: GPT-2's split, as transformers does
+    ],
+)
+def test_variant_matches_transformers(
+    tmp_path, small_vocab, pre: str, add_bos: bool, add_eos: bool
+) -> None:
     path = str(tmp_path / "tok.gguf")
     # 12 '<jupyter_text>': user-defined (matched whole, not special);
     # 13 '<jupyter_code>' renamed with a space: a control token outside the byte
     # alphabet, which both sides drop (it is a llama.cpp mislabel).
-    _write(path, small_vocab, pre=pre, add_bos=add_bos, add_eos=add_eos, retype={12: 4},
-           rename={13: "<jupyter code>"})
+    _write(
+        path,
+        small_vocab,
+        pre=pre,
+        add_bos=add_bos,
+        add_eos=add_eos,
+        retype={12: 4},
+        rename={13: "<jupyter code>"},
+    )
     ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tok.gguf")
     ours = Tokenizer.from_path(path)
     for text in TEXTS:
@@ -87,15 +123,19 @@ def test_variant_matches_transformers(tmp_path, small_vocab, pre: str, add_bos: 
             ids = ours.encode(text, special)
             assert ids == ref.encode(text, add_special_tokens=special), (text, special)
             for skip in (True, False):
-                assert ours.decode(ids, skip) == ref.decode(ids, skip_special_tokens=skip), (text, skip)
+                assert ours.decode(ids, skip) == ref.decode(ids, skip_special_tokens=skip), (
+                    text,
+                    skip,
+                )
     assert ours.encode("x")[:1] == ([1] if add_bos else ours.encode("x", False)[:1])
     assert (ours.encode("x")[-1] == 2) == add_eos
     assert ours.encode("<jupyter_text>", False) == [12]
     assert ours.eos_token_ids == frozenset({2, 0})  # eos plus llama.cpp's end-of-turn id
     assert ours.vocab_size == len(ref) == KEEP
     messages = [{"role": "user", "content": "hi"}]
-    assert ours.apply_chat_template(messages) == ref.apply_chat_template(messages, tokenize=False,
-                                                                         add_generation_prompt=True)
+    assert ours.apply_chat_template(messages) == ref.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_unsupported_tokenizer_model_is_an_error(tmp_path) -> None:
@@ -110,3 +150,6 @@ def test_unsupported_tokenizer_model_is_an_error(tmp_path) -> None:
         Tokenizer.from_path(path)
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         Tokenizer.from_path(os.fspath(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        Tokenizer.from_path(os.fspath(tmp_path / "config.json"))

@@ -10,7 +10,15 @@ import pytest
 from sluice.default_model import resolve_default_model
 from sluice.tokenizer import IncrementalDetokenizer, Tokenizer
 
-MULTI_BYTE_TEXTS = ["😀👍🏽🇺🇸", "你好，世界！", "Ångström façade ²³", "مرحبا", "🎉 ok 🎉", "한국어 텍스트", "x\u200by"]
+MULTI_BYTE_TEXTS = [
+    "😀👍🏽🇺🇸",
+    "你好，世界！",
+    "Ångström façade ²³",
+    "مرحبا",
+    "🎉 ok 🎉",
+    "한국어 텍스트",
+    "x\u200by",
+]
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +37,11 @@ def _stream(tok: Tokenizer, prompt: list[int], output: list[int], skip: bool = T
 
 def _byte_token_ids(tok: Tokenizer) -> list[int]:
     """Ids of single-byte tokens for UTF-8 lead and continuation bytes (0x80..0xF4)."""
-    ids = [i for i in range(tok.vocab_size)
-           if len(s := tok.convert_ids_to_tokens([i])[0]) == 1 and ord(s) >= 0xA1]
+    ids = [
+        i
+        for i in range(tok.vocab_size)
+        if len(s := tok.convert_ids_to_tokens([i])[0]) == 1 and ord(s) >= 0xA1
+    ]
     assert len(ids) > 50
     return ids
 

@@ -28,7 +28,11 @@ import torch
 from sluice.tokenizer import gguf_field
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
-_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -93,7 +97,9 @@ def gguf_config(reader: Any) -> dict[str, Any]:
     """transformers-style config dict from a `gguf.GGUFReader`'s metadata."""
     arch = gguf_field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})")
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})"
+        )
 
     def key(name: str, default: Any = None) -> Any:
         value = gguf_field(reader, f"{arch}.{name}", default)
