@@ -24,9 +24,11 @@ Obj = dict[str, Any]
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, reason: str, message: str):
+    def __init__(self, status: int, reason: str, message: str,
+                 details: dict[str, Any] | None = None):
         super().__init__(message)
         self.status, self.reason, self.message = status, reason, message
+        self.details = details
 
 
 @dataclass(frozen=True)
@@ -158,8 +160,11 @@ class Store:
         defaulted, errors = check(obj)
         if errors:
             name = obj.get("metadata", {}).get("name")
+            causes = [{"reason": "FieldValueInvalid", "field": e.split(": ", 1)[0],
+                       "message": e.split(": ", 1)[-1]} for e in errors]
             raise ApiError(422, "Invalid", f'{kind.kind}.{kind.group} "{name}" is invalid: '
-                           + "; ".join(errors))
+                           + "; ".join(errors), {"name": name, "group": kind.group,
+                                                 "kind": kind.kind, "causes": causes})
         return defaulted
 
     def create(self, kind: Kind, ns: str | None, obj: Obj) -> Obj:

@@ -88,6 +88,14 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         """The next `count` `method` requests on `plural` fail with `status`."""
         self.faults.append(Fault(method.upper(), plural, status, count))
 
+    async def _serve_version(self, request: kmock.Request) -> Any:
+        """kmock's discovery, minus short names on subresources (as a real API server)."""
+        body = await super()._serve_version(request)
+        for resource in body.get("resources", ()):
+            if "/" in resource["name"]:
+                resource["shortNames"], resource["categories"] = [], []
+        return body
+
     # -- direct access for tests (like kubectl, and the controllers we lack) ------------
     def kind(self, plural: str, group: str | None = None) -> Kind:
         for key, kind in self.store.kinds.items():
@@ -120,7 +128,9 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             return await self._dispatch(request, kind, method)
         except ApiError as e:
             raise kmock.KubernetesError(status=e.status, reason=e.reason, message=e.message,
-                                        details={"name": request.name, "kind": kind.plural})
+                                        details=e.details or {"name": request.name,
+                                                              "group": kind.group,
+                                                              "kind": kind.plural})
 
     async def _dispatch(self, request: kmock.Request, kind: Kind,
                         method: str) -> aiohttp.web.StreamResponse:
@@ -144,6 +154,8 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             return _json(obj)
         if method == "POST":
             result = self.store.create(kind, ns, request.data)
+            if kind.plural == "customresourcedefinitions":  # serve the new resource
+                self.register_crd(result, validator=_crd_validator(result))
         elif method == "PUT":
             body = request.data
             rv = (body.get("metadata") or {}).get("resourceVersion")
@@ -178,6 +190,12 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                                      params.get("fieldSelector")):
                 await response.write(json.dumps({"type": "ADDED", "object": obj}).encode() + b"\n")
             position = len(self.store.log)
+            if params.get("sendInitialEvents") == "true":  # WatchList (kubectl wait, informers)
+                bookmark = {"type": "BOOKMARK", "object": {
+                    "apiVersion": kind.api_version, "kind": kind.kind, "metadata": {
+                        "resourceVersion": str(self.store.rv),
+                        "annotations": {"k8s.io/initial-events-end": "true"}}}}
+                await response.write(json.dumps(bookmark).encode() + b"\n")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout if timeout else None
         try:
@@ -210,6 +228,13 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
     def _table(self, kind: Kind, items: list[dict[str, Any]]) -> dict[str, Any]:
         from k8s_table import render_table
         return render_table(self.printer_columns.get(kind.plural), items)
+
+
+def _crd_validator(crd: dict[str, Any]) -> Any:
+    import k8s_schema
+
+    schema = k8s_schema.crd_schema(crd)
+    return lambda obj: k8s_schema.validate(schema, obj)
 
 
 def _json(body: Any, status: int = 200) -> aiohttp.web.Response:
