@@ -19,160 +19,18 @@ them for KV-aware routing). Contracts:
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 from collections.abc import Iterable, Mapping
-from datetime import datetime
-from typing import Any, ClassVar
+from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _HFTokenizer
 
-# GGUF token types (llama.cpp `llama_token_type`).
-_GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
-
-# llama.cpp's pre-tokenizer families, keyed by `tokenizer.ggml.pre`.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_SPLIT_REGEX_PRE = {
-    **dict.fromkeys(
-        ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3"), _LLAMA3_SPLIT
-    ),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2_SPLIT),
-}
-# Every digit is its own pre-token, then the GPT-2 regex (llama.cpp's "\p{N}" +
-# gpt2 split; the HF tokenizer.json of these models is Digits + ByteLevel).
-_DIGITS_PRE = frozenset(("smollm", "starcoder", "refact", "codeshell"))
+from sluice.chat_template import REASONING_FIELDS, compile_template, plain
+from sluice.gguf_tokenizer import gguf_byte_level_tokenizer
 
 _INCREMENTAL_CONTEXT_TOKENS = 5  # vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET
 _REPLACEMENT_CHAR = "\ufffd"
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-
-
-def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
-    """Value of GGUF metadata `key` from a `gguf.GGUFReader`: str, int, float,
-    bool, or a list of those for arrays; `default` when the key is absent."""
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    import gguf
-
-    def one(index: int, value_type: Any) -> Any:
-        part = field.parts[index]
-        if value_type == gguf.GGUFValueType.STRING:
-            return bytes(part).decode("utf-8")
-        return part.tolist()[0]
-
-    if field.types[0] == gguf.GGUFValueType.ARRAY:
-        return [one(i, field.types[-1]) for i in field.data]
-    return one(field.data[0], field.types[0])
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
-    table, extra = {b: chr(b) for b in printable}, 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    assert len(set(table.values())) == 256
-    return table
-
-
-def _gguf_byte_level_tokenizer(reader: Any) -> tuple[_HFTokenizer, dict[str, Any]]:
-    """Build a byte-level BPE `tokenizers.Tokenizer` from GGUF metadata."""
-    kind = gguf_field(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(
-            f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')"
-        )
-    tokens: list[str] = gguf_field(reader, "tokenizer.ggml.tokens")
-    types: list[int] = gguf_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges: list[str] = gguf_field(reader, "tokenizer.ggml.merges") or []
-    assert len(types) == len(tokens), "token_type and tokens differ in length"
-    spelling = _bytes_to_unicode()
-    alphabet = frozenset(spelling.values())
-
-    def spell(token: str) -> str:  # tokens outside the byte alphabet are stored as plain text
-        return token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode())
-
-    vocab = {spell(token): index for index, token in enumerate(tokens)}
-    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
-    tok = _HFTokenizer(models.BPE(vocab=vocab, merges=pairs))
-    pre = gguf_field(reader, "tokenizer.ggml.pre", "default")
-    if pre in _SPLIT_REGEX_PRE:
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(_SPLIT_REGEX_PRE[pre]), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    elif pre in _DIGITS_PRE:
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            ]
-        )
-    else:  # "gpt-2", "default" and the rest: GPT-2's own regex inside ByteLevel
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    # Control tokens are special; user-defined ones are matched whole but not special.
-    # One whose text is not in the byte alphabet is a llama.cpp mislabel; skip it.
-    tok.add_special_tokens(
-        [
-            AddedToken(t, normalized=False, special=True)
-            for t, kind_ in zip(tokens, types)
-            if kind_ == _GGUF_CONTROL and set(t) <= alphabet
-        ]
-    )
-    tok.add_tokens(
-        [
-            AddedToken(t, normalized=False, special=False)
-            for t, kind_ in zip(tokens, types)
-            if kind_ == _GGUF_USER_DEFINED and set(t) <= alphabet
-        ]
-    )
-    special = {
-        name: gguf_field(reader, f"tokenizer.ggml.{name}_token_id")
-        for name in ("bos", "eos", "eot", "eom", "unknown", "padding")
-    }
-    bos, eos = special["bos"], special["eos"]
-    # llama.cpp adds BOS / EOS around the text when these flags say so.
-    add_bos = bos is not None and bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False))
-    add_eos = eos is not None and bool(gguf_field(reader, "tokenizer.ggml.add_eos_token", False))
-    if add_bos or add_eos:
-        single = " ".join(
-            [f"{tokens[bos]}:0"] * add_bos + ["$A:0"] + [f"{tokens[eos]}:0"] * add_eos
-        )
-        ids = [(tokens[bos], bos)] * add_bos + [(tokens[eos], eos)] * add_eos
-        tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=ids)
-    names = {
-        "bos_token": bos,
-        "eos_token": eos,
-        "unk_token": special["unknown"],
-        "pad_token": special["padding"],
-    }
-    return tok, {
-        "bos_token_id": bos,
-        "eos_token_id": eos,
-        "eos_ids": {special[k] for k in ("eos", "eot", "eom") if special[k] is not None},
-        "chat_template": gguf_field(reader, "tokenizer.chat_template"),
-        "special_tokens": {name: tokens[i] for name, i in names.items() if i is not None},
-    }
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -208,71 +66,6 @@ def _folder_chat_template(folder: str, config: Mapping[str, Any]) -> str | None:
     return template
 
 
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` renders its body (transformers
-    uses it to track assistant tokens; rendering is unchanged)."""
-
-    tags: ClassVar[set[str]] = {"generation"}
-
-    def parse(self, parser: Any) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller: Any) -> str:
-        return caller()
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    x: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: Any = None,
-    sort_keys: bool = False,
-) -> str:
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-@functools.lru_cache(maxsize=16)
-def _compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
-
-
-def _plain(value: Any) -> Any:
-    """Template data rebuilt from plain JSON types (as transformers does), so
-    the sandbox never sees a caller's rich objects."""
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    for base in (bool, str, int, float):  # subclasses (enums, numpy scalars) lose their methods
-        if isinstance(value, base):
-            return base(value) if base is not str else str.__str__(value)
-    if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if callable(getattr(value, "model_dump", None)):  # pydantic models
-        return _plain(value.model_dump())
-    return f"<{type(value).__name__}>"
-
-
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus the special ids and chat template around it."""
 
@@ -306,7 +99,7 @@ class Tokenizer:
                     raise ValueError(f"{path!r} is a file but not a GGUF file")
             import gguf
 
-            backend, meta = _gguf_byte_level_tokenizer(gguf.GGUFReader(path))
+            backend, meta = gguf_byte_level_tokenizer(gguf.GGUFReader(path))
             return cls(
                 backend,
                 bos_token_id=meta["bos_token_id"],
@@ -370,20 +163,20 @@ class Tokenizer:
         variables (and override bos_token/eos_token/... if given)."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template; use the completions API instead")
-        chat = _plain(list(messages))
+        chat = plain(list(messages))
         for i, message in enumerate(chat):
             if not isinstance(message, dict):
                 raise TypeError(f"chat messages must be dicts, got {message!r}")
             reasoning = next(
-                (message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None
+                (message[k] for k in REASONING_FIELDS if message.get(k) is not None), None
             )
             if reasoning is not None:
                 chat[i] = {"thinking": reasoning, **message, "reasoning_content": reasoning}
-        documents = _plain(kwargs.pop("documents", None))
-        variables = {**self._special_vars, **_plain(kwargs)}
-        return _compile_template(self.chat_template).render(
+        documents = plain(kwargs.pop("documents", None))
+        variables = {**self._special_vars, **plain(kwargs)}
+        return compile_template(self.chat_template).render(
             messages=chat,
-            tools=_plain(tools),
+            tools=plain(tools),
             documents=documents,
             add_generation_prompt=add_generation_prompt,
             **variables,

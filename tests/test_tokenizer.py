@@ -13,7 +13,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import pre_tokenizers
 
 from sluice.default_model import resolve_default_model
-from sluice.tokenizer import Tokenizer, _bytes_to_unicode
+from sluice.gguf_tokenizer import bytes_to_unicode as _bytes_to_unicode
+from sluice.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

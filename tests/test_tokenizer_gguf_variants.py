@@ -9,7 +9,8 @@ import os
 import pytest
 
 from sluice.default_model import resolve_default_model
-from sluice.tokenizer import Tokenizer, gguf_field
+from sluice.gguf_tokenizer import gguf_field
+from sluice.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")

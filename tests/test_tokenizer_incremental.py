@@ -56,7 +56,7 @@ def test_valid_text_streams_without_replacement_chars(tok: Tokenizer) -> None:
 
 
 def test_one_token_per_byte(tok: Tokenizer) -> None:
-    from sluice.tokenizer import _bytes_to_unicode
+    from sluice.gguf_tokenizer import bytes_to_unicode as _bytes_to_unicode
 
     spelling = _bytes_to_unicode()
     for text in MULTI_BYTE_TEXTS:
@@ -88,7 +88,7 @@ def test_random_sequences_add_up_to_decode(tok: Tokenizer, skip: bool) -> None:
 
 
 def test_held_back_bytes_are_flushed_by_finish(tok: Tokenizer) -> None:
-    from sluice.tokenizer import _bytes_to_unicode
+    from sluice.gguf_tokenizer import bytes_to_unicode as _bytes_to_unicode
 
     spelling = _bytes_to_unicode()
     lead = tok.backend.token_to_id(spelling[0xF0])  # first byte of a 4-byte character
@@ -100,7 +100,7 @@ def test_held_back_bytes_are_flushed_by_finish(tok: Tokenizer) -> None:
 
 
 def test_prompt_ending_mid_character(tok: Tokenizer) -> None:
-    from sluice.tokenizer import _bytes_to_unicode
+    from sluice.gguf_tokenizer import bytes_to_unicode as _bytes_to_unicode
 
     spelling = _bytes_to_unicode()
     emoji = [tok.backend.token_to_id(spelling[b]) for b in "😀".encode()]

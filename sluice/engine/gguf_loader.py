@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sluice.tokenizer import gguf_field
+from sluice.gguf_tokenizer import gguf_field
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _HF_ARCHITECTURES = {

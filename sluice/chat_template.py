@@ -1,0 +1,85 @@
+"""Chat-template rendering exactly as transformers' `apply_chat_template(tokenize=False)`:
+sandboxed jinja2 with trim_blocks / lstrip_blocks, `raise_exception`,
+`strftime_now`, a non-escaping `tojson`, and template data rebuilt from plain
+JSON types.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any, ClassVar
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` renders its body (transformers
+    uses it to track assistant tokens; rendering is unchanged)."""
+
+    tags: ClassVar[set[str]] = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=16)
+def compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def plain(value: Any) -> Any:
+    """Template data rebuilt from plain JSON types (as transformers does), so
+    the sandbox never sees a caller's rich objects."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    for base in (bool, str, int, float):  # subclasses (enums, numpy scalars) lose their methods
+        if isinstance(value, base):
+            return base(value) if base is not str else str.__str__(value)
+    if isinstance(value, Mapping):
+        return {plain(k): plain(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(plain(v) for v in value)
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    if callable(getattr(value, "model_dump", None)):  # pydantic models
+        return plain(value.model_dump())
+    return f"<{type(value).__name__}>"
