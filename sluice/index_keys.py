@@ -9,11 +9,12 @@ token blocks, seeded by model name and block size, so it never depends on an
 engine's hash seed):
 
 - `sluice:blk:{K}`          SET   pods whose engine reported the block (events).
-- `sluice:spec:{K}`         ZSET  pod -> expiry (ms since epoch): speculative
-                                  entries written by routing decisions; the key
-                                  itself also expires (PEXPIRE = the entry TTL).
 - `sluice:pod:{pod}:keys`   SET   every K the pod holds (so `AllBlocksCleared`
-                                  or a vanished pod can clear its entries).
+                                  or a vanished pod can clear its entries; routing
+                                  lookups test a prompt's keys here, SMISMEMBER).
+- `sluice:pod:{pod}:spec`   ZSET  K -> expiry (ms since epoch): speculative
+                                  entries written by routing decisions; the key
+                                  expires with its newest entry.
 - `sluice:pod:{pod}:ehash`  HASH  engine block hash (`int` as decimal, `bytes`
                                   as hex) -> K ("dual keys").
 - `sluice:pod:{pod}:seq`    STR   last applied event-batch sequence number.
@@ -39,9 +40,9 @@ def block_key(key: str) -> str:
     return f"{PREFIX}blk:{key}"
 
 
-def spec_key(key: str) -> str:
-    """ZSET pod -> expiry ms: speculative (routing-decision) holders of `key`."""
-    return f"{PREFIX}spec:{key}"
+def pod_spec_key(pod: str) -> str:
+    """ZSET request key -> expiry ms: speculative entries of `pod`."""
+    return f"{PREFIX}pod:{pod}:spec"
 
 
 def pod_keys_key(pod: str) -> str:
@@ -109,11 +110,12 @@ def _pod_key_batches(client: Any, pod: str) -> Iterable[list[Any]]:
 def purge_pods(redis_client: Any, pods: list[str]) -> int:
     """Remove every index and load entry of `pods` from Redis.
 
-    Removes each pod from the holders of every key it held (confirmed and
-    speculative), deletes its per-pod keys, its load entry, and its membership
-    of the pool set named in its meta. Works in SSCAN batches so a pod with
-    millions of keys never blocks Redis. Idempotent. Returns the number of
-    request keys the pods held. `redis_client` is a sync `redis.Redis`.
+    Removes each pod from the holders of every key it held, deletes its
+    per-pod keys (speculative entries included), its
+    load entry, and its membership of the pool set named in its meta. Works in
+    SSCAN batches so a pod with millions of keys never blocks Redis. Idempotent.
+    Returns the number of request keys the pods held. `redis_client` is a sync
+    `redis.Redis`.
     """
     total = 0
     for pod in pods:
@@ -123,7 +125,6 @@ def purge_pods(redis_client: Any, pods: list[str]) -> int:
             for k in keys:
                 k = k.decode() if isinstance(k, bytes) else k
                 pipe.srem(block_key(k), pod)
-                pipe.zrem(spec_key(k), pod)
             pipe.execute()
             total += len(keys)
         ns = meta.get(b"namespace", meta.get("namespace"))
@@ -134,6 +135,6 @@ def purge_pods(redis_client: Any, pods: list[str]) -> int:
             pool = pool.decode() if isinstance(pool, bytes) else pool
             pipe.srem(pool_pods_key(ns, pool), pod)
         pipe.delete(pod_keys_key(pod), pod_hashes_key(pod), pod_seq_key(pod),
-                    pod_meta_key(pod), load_key(pod))
+                    pod_meta_key(pod), pod_spec_key(pod), load_key(pod))
         pipe.execute()
     return total

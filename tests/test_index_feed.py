@@ -52,7 +52,7 @@ def make_index(port):
         aredis.Redis(port=port, socket_timeout=0.5, socket_connect_timeout=0.5)))
 
 
-def wait_for(cond, timeout=5.0):
+def wait_for(cond, timeout=10.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if cond():

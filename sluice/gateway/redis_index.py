@@ -9,62 +9,58 @@ so it is atomic and costs one round trip:
   engine's events, this makes application exactly-once and in order.
 - `lookup(keys, pods)`: per pod the length of the run of leading keys it holds
   (confirmed or unexpired speculative), plus every pod's load entry.
-- `speculate(pod, keys, ttl)`: speculative holders with an expiry.
+- `speculate(pod, keys, ttl)`: speculative entries with an expiry.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from sluice import index_keys as ik
 
+_pack = msgspec.msgpack.Encoder().encode
+
 P = ik.PREFIX
-assert ik.block_key("K") == P + "blk:K" and ik.spec_key("K") == P + "spec:K"
+assert ik.block_key("K") == P + "blk:K" and ik.pod_spec_key("X") == P + "pod:X:spec"
 assert ik.pod_keys_key("X") == P + "pod:X:keys" and ik.pod_hashes_key("X") == P + "pod:X:ehash"
 assert ik.pod_seq_key("X") == P + "pod:X:seq" and ik.load_key("X") == P + "load:X"
 
-# ARGV: prefix, pod, seq, then ops: "S" n (field key)*n | "R" n field*n | "C" | "B" size
+# ARGV: prefix, pod, seq, ops = msgpack [cleared 0|1, block_size|0, stored fields,
+# stored keys, removed fields]; applied in that order (clear, store, remove).
 APPLY = """
 local P, pod, seq = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local seqk = P..'pod:'..pod..':seq'
 local last = tonumber(redis.call('GET', seqk) or '-1')
 if seq >= 0 and seq <= last then return 0 end
 local keys, hashes = P..'pod:'..pod..':keys', P..'pod:'..pod..':ehash'
-local i = 4
-while i <= #ARGV do
-  local op = ARGV[i]
-  if op == 'S' then
-    local n = tonumber(ARGV[i+1]); i = i + 2
-    for j = 0, n - 1 do
-      local f, k = ARGV[i + 2*j], ARGV[i + 2*j + 1]
-      redis.call('HSET', hashes, f, k)
-      redis.call('SADD', P..'blk:'..k, pod)
-      redis.call('SADD', keys, k)
-    end
-    i = i + 2*n
-  elseif op == 'R' then
-    local n = tonumber(ARGV[i+1]); i = i + 2
-    for j = 0, n - 1 do
-      local f = ARGV[i + j]
-      local k = redis.call('HGET', hashes, f)
-      if k then
-        redis.call('HDEL', hashes, f)
-        redis.call('SREM', P..'blk:'..k, pod)
-        redis.call('SREM', keys, k)
-      end
-    end
-    i = i + n
-  elseif op == 'C' then
-    for _, k in ipairs(redis.call('SMEMBERS', keys)) do
-      redis.call('SREM', P..'blk:'..k, pod)
-    end
-    redis.call('DEL', keys, hashes)
-    i = i + 1
-  elseif op == 'B' then
-    redis.call('HSET', P..'pod:'..pod..':meta', 'block_size', ARGV[i+1])
-    i = i + 2
-  else
-    return redis.error_reply('bad op '..tostring(op))
+local ops = cmsgpack.unpack(ARGV[4])
+local cleared, bs, sf, sk, rf = ops[1], ops[2], ops[3], ops[4], ops[5]
+if cleared == 1 then
+  for _, k in ipairs(redis.call('SMEMBERS', keys)) do
+    redis.call('SREM', P..'blk:'..k, pod)
+  end
+  redis.call('DEL', keys, hashes)
+end
+if bs > 0 then redis.call('HSET', P..'pod:'..pod..':meta', 'block_size', bs) end
+for c0 = 1, #sf, 1000 do
+  local c1 = math.min(c0 + 999, #sf)
+  local pairs_ = {}
+  for j = c0, c1 do
+    pairs_[#pairs_ + 1] = sf[j]
+    pairs_[#pairs_ + 1] = sk[j]
+    redis.call('SADD', P..'blk:'..sk[j], pod)
+  end
+  redis.call('HSET', hashes, unpack(pairs_))
+  redis.call('SADD', keys, unpack(sk, c0, c1))
+end
+for _, f in ipairs(rf) do
+  local k = redis.call('HGET', hashes, f)
+  if k then
+    redis.call('HDEL', hashes, f)
+    redis.call('SREM', P..'blk:'..k, pod)
+    redis.call('SREM', keys, k)
   end
 end
 if seq >= 0 then redis.call('SET', seqk, seq) end
@@ -72,60 +68,64 @@ return 1
 """
 
 # ARGV: prefix, now_ms, npods, pods..., keys...  -> {{pod, hits}..., {pod, w, r, kv, ts}...}
+# Per pod: one SMISMEMBER over its key set and one ZMSCORE over its speculative
+# entries, for all the prompt's keys at once (chunks of CHUNK); the run ends at
+# the first key that is in neither.
 LOOKUP = """
 local P, now, np = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local alive, hits, loads = {}, {}, {}
+local first, last = 4 + np, #ARGV
+local flat, loads = {}, {}
 for j = 1, np do
   local pod = ARGV[3 + j]
-  alive[pod] = true
   local l = redis.call('HMGET', P..'load:'..pod, 'waiting', 'running', 'kv_usage', 'ts_ms')
-  if l[1] then table.insert(loads, {pod, l[1], l[2], l[3], l[4]}) end
-end
-for i = 4 + np, #ARGV do
-  local k = ARGV[i]
-  local cur = {}
-  for _, p in ipairs(redis.call('SMEMBERS', P..'blk:'..k)) do cur[p] = true end
-  for _, p in ipairs(redis.call('ZRANGEBYSCORE', P..'spec:'..k, '('..now, '+inf')) do
-    cur[p] = true
+  if l[1] then loads[#loads + 1] = {pod, l[1], l[2], l[3], l[4]} end
+  local run, c0 = 0, first
+  local spec = redis.call('EXISTS', P..'pod:'..pod..':spec') == 1
+  while c0 <= last do
+    local c1 = math.min(c0 + CHUNK - 1, last)
+    local m = redis.call('SMISMEMBER', P..'pod:'..pod..':keys', unpack(ARGV, c0, c1))
+    local s = nil
+    if spec then s = redis.call('ZMSCORE', P..'pod:'..pod..':spec', unpack(ARGV, c0, c1)) end
+    local broke = false
+    for x = 1, #m do
+      if m[x] == 1 or (s and s[x] and tonumber(s[x]) > now) then
+        run = run + 1
+      else
+        broke = true
+        break
+      end
+    end
+    if broke then break end
+    c0 = c1 + 1
   end
-  local any = false
-  for p, _ in pairs(alive) do
-    if cur[p] then hits[p] = i - 3 - np; any = true else alive[p] = nil end
-  end
-  if not any then break end
+  if run > 0 then flat[#flat + 1] = pod; flat[#flat + 1] = run end
 end
-local flat = {}
-for p, n in pairs(hits) do table.insert(flat, p); table.insert(flat, n) end
 return {flat, loads}
-"""
+""".replace("CHUNK", "1024")
 
 # ARGV: prefix, pod, expiry_ms, ttl_ms, keys...
 SPECULATE = """
 local P, pod, exp, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
-for i = 5, #ARGV do
-  local k = P..'spec:'..ARGV[i]
-  redis.call('ZADD', k, 'GT', exp, pod)
-  redis.call('PEXPIRE', k, ttl)
+local k = P..'pod:'..pod..':spec'
+for c0 = 5, #ARGV, 512 do
+  local args = {}
+  for x = c0, math.min(c0 + 511, #ARGV) do
+    args[#args + 1] = exp
+    args[#args + 1] = ARGV[x]
+  end
+  redis.call('ZADD', k, unpack(args))
 end
+redis.call('ZREMRANGEBYSCORE', k, '-inf', '('..(exp - ttl))
+redis.call('PEXPIRE', k, ttl)
 return #ARGV - 4
 """
 
 
 def encode_ops(stored: list[tuple[str, str]], removed: list[str], cleared: bool,
-               block_size: int | None = None) -> list[Any]:
-    """Flatten one batch's effects for APPLY (clear first: vLLM emits it alone)."""
-    ops: list[Any] = []
-    if cleared:
-        ops.append("C")
-    if block_size is not None:
-        ops += ["B", block_size]
-    if stored:
-        ops += ["S", len(stored)]
-        for field, key in stored:
-            ops += [field, key]
-    if removed:
-        ops += ["R", len(removed), *removed]
-    return ops
+               block_size: int | None = None) -> bytes:
+    """One batch's effects as the single msgpack argument of APPLY."""
+    return _pack([1 if cleared else 0, block_size or 0, [f for f, _ in stored],
+                  [k for _, k in stored], removed])
 
 
 class RedisIndex:
@@ -139,9 +139,9 @@ class RedisIndex:
         self._lookup = async_client.register_script(LOOKUP)
         self._spec = async_client.register_script(SPECULATE)
 
-    def apply(self, pod: str, seq: int, ops: list[Any]) -> bool:
+    def apply(self, pod: str, seq: int, ops: bytes) -> bool:
         """Apply one batch (seq < 0: unconditionally, seq untouched). False if stale."""
-        return bool(self._apply(args=[P, pod, seq, *ops]))
+        return bool(self._apply(args=[P, pod, seq, ops]))
 
     def stored_seq(self, pod: str) -> int | None:
         raw = self.sync.get(ik.pod_seq_key(pod))
