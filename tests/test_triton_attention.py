@@ -5,6 +5,7 @@ Triton's interpreter (TRITON_INTERPRET=1, set below before triton is imported) i
 small shapes. The reference always runs on CPU in fp32 over the same cache contents.
 """
 
+import itertools
 import os
 import random
 
@@ -13,11 +14,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-import pytest  # noqa: E402
+import pytest
 
-from sluice.engine.attention.backend import AttentionMetadata  # noqa: E402
-from sluice.engine.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from sluice.engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from sluice.engine.attention.backend import AttentionMetadata
+from sluice.engine.attention.torch_backend import TorchAttentionBackend
+from sluice.engine.attention.triton_backend import TritonAttentionBackend
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -27,10 +28,12 @@ REF = TorchAttentionBackend()
 
 
 def make_step(seqs, num_kv_heads, qpk, head_dim, block_size, dtype, seed, pad_tokens=0,
-              pad_seqs=0):
+              pad_seqs=0, pad_decodes=0):
     """A step over `seqs` = [(cached_len, new_len)]: random cache (garbage everywhere, so a
     read past the context shows), shuffled block tables, this step's slots, random q/k/v.
-    pad_tokens / pad_seqs add CUDA-graph style padding (slot -1, query length 0)."""
+    CUDA-graph style padding after the real sequences: pad_decodes sequences of query length 1
+    and seq_len 0, pad_seqs of query length 0, pad_tokens tokens past query_start_loc[-1];
+    padded tokens have slot -1."""
     g = torch.Generator().manual_seed(seed)
     need = [-(-(c + n) // block_size) for c, n in seqs]
     num_blocks = sum(need) + 3
@@ -43,10 +46,11 @@ def make_step(seqs, num_kv_heads, qpk, head_dim, block_size, dtype, seed, pad_to
                   for p in range(cached, cached + new)]
         qsl.append(qsl[-1] + new)
         lens.append(cached + new)
-    slots += [-1] * pad_tokens
+    slots += [-1] * (pad_decodes + pad_tokens)
+    qsl += [qsl[-1] + i + 1 for i in range(pad_decodes)]
     qsl += [qsl[-1]] * pad_seqs
-    lens += [1] * pad_seqs
-    tables += [[]] * pad_seqs
+    lens += [0] * pad_decodes + [1] * pad_seqs
+    tables += [[]] * (pad_decodes + pad_seqs)
     width = max(len(t) for t in tables) + 1  # one extra padded column
     padded = [t + [0] * (width - len(t)) for t in tables]
     tokens = qsl[-1] + pad_tokens
@@ -62,7 +66,7 @@ def make_step(seqs, num_kv_heads, qpk, head_dim, block_size, dtype, seed, pad_to
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
             block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
-            max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])), max_seq_len=max(lens),
+            max_query_len=max(b - a for a, b in itertools.pairwise(qsl)), max_seq_len=max(lens),
             query_start_loc_cpu=qsl, seq_lens_cpu=lens)
 
     # Rounding everything through `dtype` first makes kernel and reference see equal inputs.
@@ -71,9 +75,9 @@ def make_step(seqs, num_kv_heads, qpk, head_dim, block_size, dtype, seed, pad_to
 
 
 def check_attention(backend, seqs, num_kv_heads, qpk, head_dim, block_size, dtype, seed,
-                    pad_tokens=0, pad_seqs=0):
+                    pad_tokens=0, pad_seqs=0, pad_decodes=0):
     (cache, q, k, v), meta = make_step(seqs, num_kv_heads, qpk, head_dim, block_size, dtype,
-                                       seed, pad_tokens, pad_seqs)
+                                       seed, pad_tokens, pad_seqs, pad_decodes)
     real = sum(n for _, n in seqs)
     ref_meta = meta("cpu")
     ref_meta.slot_mapping = ref_meta.slot_mapping[:real]
@@ -88,6 +92,7 @@ def check_attention(backend, seqs, num_kv_heads, qpk, head_dim, block_size, dtyp
     assert got.shape == q.shape and got.dtype == dtype
     torch.testing.assert_close(got[:real].float().cpu(), expected, atol=TOL[dtype],
                                rtol=TOL[dtype])
+    assert torch.equal(got[real:real + pad_decodes].cpu(), q[real:real + pad_decodes].mul(0))
 
 
 MIXED = [(0, 21), (37, 13), (45, 1), (18, 1), (0, 1), (16, 1)]  # prefill, prefix hit, decodes
@@ -118,9 +123,12 @@ def test_split_kv_long_context(qpk, block_size, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_split_kv_prefix_chunk(dtype):
-    """Splits also apply to a short prefill chunk over a long cached prefix (causal rows)."""
+    """Splits also apply to a short prefill chunk over a long cached prefix (causal rows).
+    In (100, 30) the last query block covers positions 124..129 and split 2 starts at key 128,
+    so rows 124..127 see no key in that split (lse = -inf, must not turn into NaN)."""
     backend = TritonAttentionBackend(max_num_splits=4, target_programs=10**6)
     check_attention(backend, [(250, 9), (40, 1)], 1, 2, 64, 16, dtype, seed=7)
+    check_attention(backend, [(100, 30)], 1, 2, 64, 16, dtype, seed=8)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -133,10 +141,11 @@ def test_wide_batch_path(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits", [1, 4])
 def test_cuda_graph_padding(splits, dtype):
-    """Padded tokens (slot -1) and padded sequences (query length 0) leave real rows exact."""
+    """Padded tokens (slot -1) and padded sequences (query length 0, or query length 1 with
+    seq_len 0, whose output is 0) leave the real rows exact."""
     backend = TritonAttentionBackend(max_num_splits=splits, target_programs=10**6)
     check_attention(backend, [(50, 1), (0, 1), (77, 1)], 1, 2, 64, 32, dtype, seed=11,
-                    pad_tokens=5, pad_seqs=5)
+                    pad_tokens=5, pad_seqs=3, pad_decodes=3)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -181,11 +190,94 @@ def test_write_kv(num_kv_heads, head_dim, block_size, dtype):
     m.slot_mapping[3] = -1  # a skipped real token too
     kv = torch.cat([k, v], dim=1).to(DEVICE, dtype)
     k_view, v_view = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
-    got = cache.to(DEVICE, dtype)
+    got = cache.to(DEVICE, dtype, copy=True)
     TritonAttentionBackend().write_kv(k_view, v_view, got, m)
-    expected = cache.to(dtype)
+    expected = cache.to(dtype, copy=True)
+    assert got.data_ptr() != expected.data_ptr()
     keep = m.slot_mapping.cpu() >= 0
     ref_meta = meta("cpu")
     ref_meta.slot_mapping = ref_meta.slot_mapping[keep]
     TorchAttentionBackend().write_kv(k[keep].to(dtype), v[keep].to(dtype), expected, ref_meta)
     assert torch.equal(got.cpu(), expected)
+
+
+# Compiled (not interpreted) for an H100 without one: the interpreter accepts code that the
+# compiler may reject, and says nothing about registers. Each case is what `plan` picks for a
+# real shape; the PTX goes through Triton's bundled ptxas, which must report no spills.
+_AOT_SCRIPT = r"""
+import os, subprocess, sys, tempfile
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from sluice.engine.attention import triton_kernels as K
+from sluice.engine.attention.triton_backend import TritonAttentionBackend
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_checked(fn, types, consts, num_warps, label):
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    # What the launcher specialises for these shapes: 16-aligned pointers and strides.
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in consts and (n.endswith("_ptr") or n.startswith("stride"))}
+    kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=TARGET,
+                            options={"num_warps": num_warps})
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(kernel.asm["ptx"])
+    info = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
+                          capture_output=True, text=True, check=True).stderr
+    assert "0 bytes spill stores" in info, (label, info)
+    print("ok", label, flush=True)
+
+
+backend = TritonAttentionBackend(target_programs=264)  # 2 x 132 SMs
+cuda = torch.device("cuda")
+# (label, num_tokens, num_seqs, heads, kv_heads, head_dim, block_size, dtype)
+for label, t, s, h, kvh, d, bs, dt in [
+    ("llama8b decode b1", 1, 1, 32, 8, 128, 16, torch.bfloat16),
+    ("llama8b prefill 2048", 2048, 1, 32, 8, 128, 16, torch.bfloat16),
+    ("qwen3-0.6b decode b64", 64, 64, 16, 8, 128, 16, torch.bfloat16),
+    ("llama1b decode b1 fp16", 1, 1, 32, 8, 64, 32, torch.float16),
+    ("mha prefill bs32", 512, 2, 16, 16, 128, 32, torch.bfloat16),
+    ("gqa8 decode fp32", 4, 4, 32, 4, 128, 16, torch.float32),
+    ("gqa4 prefill fp32", 1024, 1, 32, 8, 128, 16, torch.float32),
+]:
+    lp = backend.plan(t, s, h, kvh, d, bs, dt, cuda)
+    name = NAMES[dt]
+    types = {"q_ptr": "*" + name, "cache_ptr": "*" + name, "out_ptr": "*" + name,
+             "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "query_start_loc_ptr": "*i32",
+             "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32", "scale_log2": "fp32"}
+    compile_checked(K.paged_attention_kernel, types, lp.constexprs, lp.num_warps,
+                    f"{label} splits={lp.num_splits}")
+    if lp.num_splits > 1:
+        compile_checked(K.split_kv_reduce_kernel,
+                        {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*" + name},
+                        dict(HEAD_DIM=d, HEAD_DIM_P2=d, NUM_SPLITS=lp.num_splits), 4,
+                        label + " reduce")
+    compile_checked(K.write_kv_kernel,
+                    {"k_ptr": "*" + name, "v_ptr": "*" + name, "cache_ptr": "*" + name,
+                     "slot_ptr": "*i64"},
+                    dict(NUM_KV_HEADS=kvh, HEADS_P2=triton.next_power_of_2(kvh), HEAD_DIM=d,
+                         HEAD_DIM_P2=d, BLOCK_SIZE=bs), 4, label + " write")
+"""
+
+
+@pytest.mark.skipif(CUDA, reason="on a GPU the tests above run the compiled kernels")
+def test_compiles_for_sm90(tmp_path):
+    """The kernels compile for sm_90 as `plan` configures them, without register spills."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this triton build has no bundled ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    root = Path(__file__).resolve().parent.parent
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert res.returncode == 0, res.stdout + res.stderr

@@ -11,21 +11,37 @@ len(seq_lens)) and on constructor settings, never on `max_query_len`, `max_seq_l
 `*_cpu` lists. A captured batch padded to a fixed size therefore replays correctly as long as
 its padding follows this contract:
   - padded tokens: slot_mapping = -1 (not written); their output rows are unspecified;
-  - padded sequences: query_start_loc repeats its last value (query length 0) and any seq_len;
-    or query length 1 with seq_len 1 and a block table pointing at any valid block.
+  - padded sequences: query length 0 (query_start_loc repeats its last value), any seq_len;
+    or query length 1 with seq_len 0 (its slot -1): attends to nothing, output row 0.
+  - padded block-table entries may hold anything: only entries < cdiv(seq_len, block_size)
+    are read.
 Tokens past query_start_loc[-1] are never attended; their output rows are unspecified.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import triton
 
 from sluice.engine.attention.backend import AttentionBackend, AttentionMetadata
 from sluice.engine.attention.triton_kernels import (
-    paged_attention_kernel, split_kv_reduce_kernel, write_kv_kernel)
+    paged_attention_kernel,
+    split_kv_reduce_kernel,
+    write_kv_kernel,
+)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """One paged-attention launch: grid (query blocks, KV heads, splits), warps, constexprs."""
+    grid: tuple[int, int, int]
+    num_splits: int
+    num_warps: int
+    constexprs: dict = field(hash=False)
 
 
 def _pow2(n: int) -> int:
@@ -89,26 +105,16 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         if num_tokens == 0 or num_seqs == 0:
             return out
-        qpk = num_heads // num_kv_heads
-        qpk_p2 = _pow2(qpk)
-        # Rows per program = BLOCK_Q tokens x qpk_p2 heads (>= 16 for tl.dot). Small batches
-        # (decode-like) take 16 rows so a decode wastes little; wide batches take 64.
-        small = num_tokens <= self.max_split_tokens
-        block_m = max(16 if small else 64, qpk_p2)
-        block_q = block_m // qpk_p2
-        tile_n = 32 if small else 64
-        num_q_blocks = num_tokens // block_q + num_seqs
-        num_splits = self._num_splits(num_q_blocks * num_kv_heads, small, q.device)
-        head_dim_p2 = max(_pow2(head_dim), 16)
-        if num_splits > 1:
-            part_out = torch.empty((num_tokens, num_heads, num_splits, head_dim),
+        lp = self.plan(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+                       q.dtype, q.device)
+        if lp.num_splits > 1:
+            part_out = torch.empty((num_tokens, num_heads, lp.num_splits, head_dim),
                                    dtype=torch.float32, device=q.device)
-            part_lse = torch.empty((num_tokens, num_heads, num_splits),
+            part_lse = torch.empty((num_tokens, num_heads, lp.num_splits),
                                    dtype=torch.float32, device=q.device)
-            assert part_lse.stride(2) == 1
         else:  # not read by the kernel when NUM_SPLITS == 1
             part_out = part_lse = out
-        paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
+        paged_attention_kernel[lp.grid](
             q, kv_cache, out, part_out, part_lse,
             meta.query_start_loc, meta.seq_lens, meta.block_tables,
             num_seqs, scale * 1.4426950408889634,  # log2(e): softmax via exp2
@@ -117,19 +123,44 @@ class TritonAttentionBackend(AttentionBackend):
             meta.block_tables.stride(0),
             part_out.stride(0), part_out.stride(1), part_out.stride(2),
             part_lse.stride(0), part_lse.stride(1),
-            QPK=qpk, QPK_P2=qpk_p2, HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2,
-            BLOCK_SIZE=block_size, BLOCK_Q=block_q, TILE_N=tile_n, NUM_SPLITS=num_splits,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=4,
+            num_warps=lp.num_warps, **lp.constexprs,
         )
-        if num_splits > 1:
+        if lp.num_splits > 1:
             split_kv_reduce_kernel[(num_tokens, num_heads)](
                 part_out, part_lse, out,
                 part_out.stride(0), part_out.stride(1), part_out.stride(2),
                 part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-                HEAD_DIM=head_dim, HEAD_DIM_P2=_pow2(head_dim), NUM_SPLITS=num_splits,
+                HEAD_DIM=head_dim, HEAD_DIM_P2=_pow2(head_dim), NUM_SPLITS=lp.num_splits,
             )
         return out
+
+    def plan(self, num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int,
+             head_dim: int, block_size: int, dtype: torch.dtype,
+             device: torch.device) -> AttentionLaunch:
+        """The paged-attention launch for a batch of these shapes (a pure function of them).
+
+        Rows per program = BLOCK_Q tokens x QPK_P2 heads, at least 16 (tl.dot's minimum).
+        Batches of <= max_split_tokens tokens (decodes, small mixed steps) take 16-row programs,
+        32-key tiles, and split-KV; wider batches (prefill) take 64-row programs and 64-key
+        tiles (32 in fp32) with 8 warps, no split. Register use of these tiles on sm_90 is
+        checked (no spills) by tests/test_triton_attention.py::test_compiles_for_sm90.
+        """
+        qpk = num_heads // num_kv_heads
+        qpk_p2 = _pow2(qpk)
+        small = num_tokens <= self.max_split_tokens
+        block_m = max(16 if small else 64, qpk_p2)
+        block_q = block_m // qpk_p2
+        tile_n = 32 if small or dtype == torch.float32 else 64
+        num_warps = 4 if small and dtype != torch.float32 else 8
+        num_q_blocks = num_tokens // block_q + num_seqs
+        num_splits = self._num_splits(num_q_blocks * num_kv_heads, small, device)
+        constexprs = {
+            "QPK": qpk, "QPK_P2": qpk_p2, "HEAD_DIM": head_dim,
+            "HEAD_DIM_P2": max(_pow2(head_dim), 16), "BLOCK_SIZE": block_size,
+            "BLOCK_Q": block_q, "TILE_N": tile_n, "NUM_SPLITS": num_splits,
+            "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32"}
+        return AttentionLaunch((num_q_blocks, num_kv_heads, num_splits), num_splits, num_warps,
+                               constexprs)
 
     def _num_splits(self, programs: int, small: bool, device: torch.device) -> int:
         """Split count from shapes only: the smallest power of two that reaches the target
