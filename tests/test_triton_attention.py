@@ -229,6 +229,7 @@ def compile_checked(fn, types, consts, num_warps, label):
     info = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
                           capture_output=True, text=True, check=True).stderr
     assert "0 bytes spill stores" in info, (label, info)
+    assert kernel.metadata.shared <= 232448, (label, kernel.metadata.shared)  # sm_90 opt-in max
     print("ok", label, flush=True)
 
 
@@ -241,6 +242,8 @@ for label, t, s, h, kvh, d, bs, dt in [
     ("qwen3-0.6b decode b64", 64, 64, 16, 8, 128, 16, torch.bfloat16),
     ("llama1b decode b1 fp16", 1, 1, 32, 8, 64, 32, torch.float16),
     ("mha prefill bs32", 512, 2, 16, 16, 128, 32, torch.bfloat16),
+    ("head_dim 256 prefill", 1024, 2, 8, 4, 256, 16, torch.bfloat16),
+    ("head_dim 256 decode b2", 2, 2, 8, 4, 256, 16, torch.bfloat16),
     ("gqa8 decode fp32", 4, 4, 32, 4, 128, 16, torch.float32),
     ("gqa4 prefill fp32", 1024, 1, 32, 8, 128, 16, torch.float32),
 ]:

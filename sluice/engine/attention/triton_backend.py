@@ -66,6 +66,8 @@ class TritonAttentionBackend(AttentionBackend):
         self.max_num_splits = max_num_splits
         self.target_programs = target_programs
         self.max_split_tokens = max_split_tokens
+        # plan() is a pure function of its arguments; every layer of a step asks for the same.
+        self._plans: dict[tuple, AttentionLaunch] = {}
 
     # -- KV write ---------------------------------------------------------------------------
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -105,8 +107,11 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         if num_tokens == 0 or num_seqs == 0:
             return out
-        lp = self.plan(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-                       q.dtype, q.device)
+        key = (num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q.dtype,
+               q.device)
+        lp = self._plans.get(key)
+        if lp is None:
+            lp = self._plans[key] = self.plan(*key)
         if lp.num_splits > 1:
             part_out = torch.empty((num_tokens, num_heads, lp.num_splits, head_dim),
                                    dtype=torch.float32, device=q.device)
