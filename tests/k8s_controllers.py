@@ -18,21 +18,30 @@ _ips = itertools.count(10)
 PodFate = Callable[[dict[str, Any]], dict[str, Any] | None]
 
 
-def _deployments(api: Any) -> list[dict[str, Any]]:
-    return api.store.list(api.kind("deployments"), None)
+def _pods_by_owner(store: Store) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for pod in store.by_kind.get("/pods", {}).values():
+        for ref in pod["metadata"].get("ownerReferences") or ():
+            out.setdefault(ref["uid"], []).append(pod)
+    return out
 
 
-def _sync_deployment(store: Store, api: Any, dep: dict[str, Any], fate: PodFate | None) -> None:
-    pods_kind = api.kind("pods")
-    deps_kind = api.kind("deployments")
+def _is_ready(pod: dict[str, Any]) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions", ()))
+
+
+def _sync_deployment(store: Store, api: Any, dep: dict[str, Any], fate: PodFate | None,
+                     owned: list[dict[str, Any]]) -> None:
+    pods_kind, deps_kind = api.kind("pods"), api.kind("deployments")
     ns, name = dep["metadata"]["namespace"], dep["metadata"]["name"]
     template = dep["spec"]["template"]
-    selector = ",".join(f"{k}={v}" for k, v in dep["spec"]["selector"]["matchLabels"].items())
-    pods = store.list(pods_kind, ns, selector)
+    pods = sorted(owned, key=lambda p: p["metadata"]["name"])
     want = int(dep["spec"].get("replicas") or 0)
     for pod in pods[want:]:
         store.delete(pods_kind, ns, pod["metadata"]["name"])
-    for i in range(len(pods), want):
+    pods = pods[:want]
+    for _ in range(len(pods), want):
         n = next(_ips)
         pod = {"metadata": {"name": f"{name}-{n:05d}", "namespace": ns,
                             "labels": dict(template["metadata"]["labels"]),
@@ -41,17 +50,14 @@ def _sync_deployment(store: Store, api: Any, dep: dict[str, Any], fate: PodFate 
                                                  "name": name, "uid": dep["metadata"]["uid"],
                                                  "controller": True}]},
                "spec": template["spec"]}
-        store.create(pods_kind, ns, pod)
+        created = store.create(pods_kind, ns, pod)
         extra = fate(pod) if fate else None
         status = extra or {"phase": "Running", "podIP": f"10.1.{n // 250}.{n % 250 + 1}",
                            "conditions": [{"type": "PodScheduled", "status": "True"},
                                           {"type": "Ready", "status": "True"}]}
-        live = store.get(pods_kind, ns, pod["metadata"]["name"])
-        store.write(pods_kind, ns, pod["metadata"]["name"], "status",
-                    {**live, "status": status}, None)
-    pods = store.list(pods_kind, ns, selector)
-    ready = sum(1 for p in pods if any(c.get("type") == "Ready" and c.get("status") == "True"
-                                       for c in (p.get("status") or {}).get("conditions", ())))
+        pods.append(store.write(pods_kind, ns, pod["metadata"]["name"], "status",
+                                {**created, "status": status}, None))
+    ready = sum(1 for p in pods if _is_ready(p))
     status = {"observedGeneration": dep["metadata"]["generation"], "replicas": len(pods),
               "updatedReplicas": len(pods), "readyReplicas": ready, "availableReplicas": ready}
     if dep.get("status") != status:
@@ -61,9 +67,10 @@ def _sync_deployment(store: Store, api: Any, dep: dict[str, Any], fate: PodFate 
 async def settle(api: Any, fate: PodFate | None = None) -> None:
     """One pass of the Deployment controller + kubelet over every Deployment."""
     def work(store: Store) -> None:
-        for dep in _deployments(api):
+        owners = _pods_by_owner(store)
+        for dep in list(store.by_kind.get("apps/deployments", {}).values()):
             try:
-                _sync_deployment(store, api, dep, fate)
+                _sync_deployment(store, api, dep, fate, owners.get(dep["metadata"]["uid"], []))
             except ApiError:
                 pass  # deleted meanwhile: the next pass sees the new state
     await api.mutate(work)

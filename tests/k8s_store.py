@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import functools
 import itertools
 import uuid
 from dataclasses import dataclass, field
@@ -91,6 +92,11 @@ def selector_matches(selector: str | None, labels: dict[str, str]) -> bool:
     """Kubernetes label selector syntax: `a=b,c!=d,e in (f,g),h,!i`."""
     if not selector:
         return True
+    return all(req(labels) for req in _parse_selector(selector))
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse_selector(selector: str) -> tuple[Callable[[dict[str, str]], bool], ...]:
     parts, depth, cur = [], 0, ""
     for ch in selector:  # split on commas outside parentheses
         depth += ch == "("
@@ -101,7 +107,7 @@ def selector_matches(selector: str | None, labels: dict[str, str]) -> bool:
         else:
             cur += ch
     parts.append(cur)
-    return all(_requirement(p)(labels) for p in parts if p.strip())
+    return tuple(_requirement(p) for p in parts if p.strip())
 
 
 def _get(obj: Obj, path: str) -> Any:
@@ -126,6 +132,7 @@ class Store:
     # hook per plural: obj -> (defaulted obj, error messages), like CRD schemas
     validators: dict[str, Callable[[Obj], tuple[Obj, list[str]]]] = field(default_factory=dict)
     objects: dict[tuple[str, str | None, str], Obj] = field(default_factory=dict)
+    by_kind: dict[str, dict[tuple[str, str | None, str], Obj]] = field(default_factory=dict)
     log: list[Event] = field(default_factory=list)
     _rv: itertools.count = field(default_factory=lambda: itertools.count(1))
     rv: int = 0
@@ -147,11 +154,18 @@ class Store:
         return obj
 
     def list(self, kind: Kind, ns: str | None, selector: str | None = None) -> list[Obj]:
-        prefix = f"{kind.group}/{kind.plural}"
-        return [copy.deepcopy(o) for (k, o_ns, _), o in sorted(self.objects.items(),
+        objs = self.by_kind.get(f"{kind.group}/{kind.plural}", {})
+        return [copy.deepcopy(o) for (_, o_ns, _), o in sorted(objs.items(),
                                                                 key=lambda kv: str(kv[0]))
-                if k == prefix and (ns is None or o_ns == ns)
+                if (ns is None or o_ns == ns)
                 and selector_matches(selector, o["metadata"].get("labels") or {})]
+
+    def _put(self, key: tuple[str, str | None, str], obj: Obj | None) -> None:
+        kind_objs = self.by_kind.setdefault(key[0], {})
+        if obj is None:
+            del self.objects[key], kind_objs[key]
+        else:
+            self.objects[key] = kind_objs[key] = obj
 
     def _validate(self, kind: Kind, obj: Obj) -> Obj:
         check = self.validators.get(kind.plural)
@@ -186,7 +200,7 @@ class Store:
         meta.update(uid=str(uuid.uuid4()), generation=1, resourceVersion=self._bump(),
                     creationTimestamp=datetime.datetime.now(datetime.UTC).strftime(
                         "%Y-%m-%dT%H:%M:%SZ"))
-        self.objects[key] = obj
+        self._put(key, obj)
         self._emit("ADDED", kind, obj)
         return copy.deepcopy(obj)
 
@@ -223,7 +237,7 @@ class Store:
         if new == old:
             return copy.deepcopy(old)  # no-op writes keep the resourceVersion
         meta["resourceVersion"] = self._bump()
-        self.objects[self.key(kind, ns, name)] = new
+        self._put(self.key(kind, ns, name), new)
         if meta.get("deletionTimestamp") and not meta.get("finalizers"):
             return self._remove(kind, new)
         self._emit("MODIFIED", kind, new)
@@ -235,7 +249,11 @@ class Store:
         if subresource == "scale":
             return self.write(kind, ns, name, "scale", patch, None)
         if "json-patch" in content_type:
-            new = jsonpatch.apply_patch(old, patch)
+            try:
+                new = jsonpatch.apply_patch(old, patch)
+            except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as e:
+                # e.g. a failed `test` of metadata.resourceVersion (kopf's optimistic lock)
+                raise ApiError(422, "Invalid", f"the JSON patch was rejected: {e}") from e
             rv = None
         else:  # merge and strategic merge (treated as merge: lists are replaced)
             new = merge_patch(old, patch)
@@ -266,7 +284,7 @@ class Store:
 
     def _remove(self, kind: Kind, obj: Obj) -> Obj:
         meta = obj["metadata"]
-        del self.objects[self.key(kind, meta.get("namespace"), meta["name"])]
+        self._put(self.key(kind, meta.get("namespace"), meta["name"]), None)
         self._bump()
         self._emit("DELETED", kind, obj)
         self.collect_garbage(meta["uid"])

@@ -32,6 +32,7 @@ class ApplyReport:
     deleted: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
     problems: list[tuple[str, str]] = field(default_factory=list)  # (reason, message)
+    live: dict[str, dict[str, Any]] = field(default_factory=dict)  # "Kind/name" -> object
 
     @property
     def changed(self) -> bool:
@@ -75,8 +76,10 @@ def replacement(desired: Manifest, live: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
-async def apply_child(client: kube.KubeClient, desired: Manifest, owner_uid: str) -> str:
-    """Make one child match `desired`; returns "created", "updated" or "unchanged"."""
+async def apply_child(client: kube.KubeClient, desired: Manifest,
+                      owner_uid: str) -> tuple[str, dict[str, Any]]:
+    """Make one child match `desired`; returns ("created" | "updated" | "unchanged", the
+    object as the API server last returned it)."""
     ref = kube.BY_KIND[desired["kind"]]
     ns, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
     last_error: Exception | None = None
@@ -85,18 +88,16 @@ async def apply_child(client: kube.KubeClient, desired: Manifest, owner_uid: str
             live = await client.get(ref, ns, name)
         except kube.NotFound:
             try:
-                await client.create(ref, ns, desired)
-                return "created"
+                return "created", await client.create(ref, ns, desired)
             except kube.Conflict as e:  # created concurrently: compare with it instead
                 last_error = e
                 continue
         if not owned_by(live, owner_uid):
             raise NotOwned(f"{desired['kind']} {ns}/{name} exists and is not owned by this pool")
         if not needs_update(desired, live):
-            return "unchanged"
+            return "unchanged", live
         try:
-            await client.replace(ref, ns, name, replacement(desired, live))
-            return "updated"
+            return "updated", await client.replace(ref, ns, name, replacement(desired, live))
         except kube.Conflict as e:  # a concurrent writer won: re-read and retry
             last_error = e
         except kube.NotFound as e:  # deleted between the read and the write
@@ -123,17 +124,20 @@ def _kind_of(ref: kube.ResourceRef) -> str:
 
 
 async def apply_all(client: kube.KubeClient, desired: list[Manifest],
-                    owner_uid: str) -> ApplyReport:
-    """Apply every child, then prune the ones no longer rendered (e.g. serve → roles)."""
+                    owner_uid: str, prune_orphans: bool = True) -> ApplyReport:
+    """Apply every child, then (if asked) prune the ones no longer rendered
+    (e.g. a `serve` Deployment after the pool switched to prefill/decode roles)."""
     report = ApplyReport()
     for manifest in desired:
         try:
-            action = await apply_child(client, manifest, owner_uid)
+            action, live = await apply_child(client, manifest, owner_uid)
         except NotOwned as e:
             report.problems.append(("ChildNotOwned", str(e)))
             continue
-        getattr(report, action).append(f"{manifest['kind']}/{manifest['metadata']['name']}")
-    if desired:
+        name = f"{manifest['kind']}/{manifest['metadata']['name']}"
+        getattr(report, action).append(name)
+        report.live[name] = live
+    if desired and prune_orphans:
         ns = desired[0]["metadata"]["namespace"]
         pool = desired[0]["metadata"]["labels"][labels.POOL]
         keep = {(m["kind"], m["metadata"]["name"]) for m in desired}

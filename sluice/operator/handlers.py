@@ -72,7 +72,7 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> kopf.OperatorRegis
     @kopf.timer(*POOL, interval=rt.config.resync_interval_s, initial_delay=
                 rt.config.resync_interval_s, registry=registry)
     async def _resync(body: kopf.Body, **_: Any) -> None:
-        await rt.reconciler.reconcile(dict(body))
+        await rt.reconciler.reconcile(dict(body), full=True)
 
     @kopf.timer(*POOL, interval=rt.config.autoscale_interval_s, registry=registry)
     async def _autoscale(body: kopf.Body, **_: Any) -> None:

@@ -68,9 +68,15 @@ def endpoints(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(out, key=lambda e: e["pod"])
 
 
-async def observe(client: kube.KubeClient, pool: PoolSpec) -> Observed:
+async def observe(client: kube.KubeClient, pool: PoolSpec,
+                  known: dict[str, dict[str, Any]] | None = None) -> Observed:
+    """`known`: children just read or written ("Kind/name" -> object), not fetched again."""
     deployments = {}
     for role in pool.roles:
+        name = child_name(pool.name, role.name)
+        if known and f"Deployment/{name}" in known:
+            deployments[role.name] = known[f"Deployment/{name}"]
+            continue
         try:
             deployments[role.name] = await client.get(
                 kube.DEPLOYMENTS, pool.namespace, child_name(pool.name, role.name))

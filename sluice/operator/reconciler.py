@@ -43,16 +43,22 @@ class Reconciler:
                  clock: Callable[[], str] = utcnow):
         self.client, self.config, self.events, self.clock = client, config, events, clock
         self._slots: dict[tuple[str, str], _Slot] = {}
+        # (uid, generation) last pruned per pool: orphans appear only when the spec
+        # changes, so child events (drift, readiness) skip the three list calls.
+        self._pruned: dict[tuple[str, str], tuple[str, int]] = {}
         self.passes = 0  # number of reconcile passes run (for tests and benchmarks)
 
-    async def reconcile(self, body: Mapping[str, Any]) -> None:
-        """Converge the pool's children and status. Re-reads the pool when coalescing."""
+    async def reconcile(self, body: Mapping[str, Any], full: bool = False) -> None:
+        """Converge the pool's children and status. Re-reads the pool when coalescing.
+        `full` also looks for orphaned children even if the spec did not change."""
         meta = body["metadata"]
         key = (meta.get("namespace") or "default", meta["name"])
         slot = self._slots.setdefault(key, _Slot(asyncio.Lock()))
         if slot.lock.locked():
             slot.pending = True  # the running pass re-reads the pool and goes again
             return
+        if full:
+            self._pruned.pop(key, None)
         async with slot.lock:
             current: Mapping[str, Any] | None = body
             while current is not None:
@@ -70,7 +76,9 @@ class Reconciler:
 
     async def _pass(self, body: Mapping[str, Any]) -> None:
         self.passes += 1
-        if body["metadata"].get("deletionTimestamp"):
+        meta = body["metadata"]
+        if meta.get("deletionTimestamp"):
+            self._pruned.pop((meta.get("namespace") or "default", meta["name"]), None)
             return  # owner references and the finalizer take it from here
         previous = body.get("status") or {}
         try:
@@ -82,14 +90,19 @@ class Reconciler:
                 self.events(body, "Warning", "InvalidSpec", str(e))
                 await self._write_status(body, status)
             return
-        report = await apply.apply_all(self.client, render_pool(pool, self.config), pool.uid)
+        key, version = (pool.namespace, pool.name), (pool.uid, pool.generation)
+        prune = self._pruned.get(key) != version
+        report = await apply.apply_all(self.client, render_pool(pool, self.config), pool.uid,
+                                       prune_orphans=prune)
+        if prune:
+            self._pruned[key] = version
         for name in report.created:
             self.events(body, "Normal", "Created", f"created {name}")
         for name in report.updated:
             self.events(body, "Normal", "Updated", f"updated {name} to the desired spec")
         for name in report.deleted:
             self.events(body, "Normal", "Deleted", f"deleted {name} (no longer desired)")
-        observed = await observe(self.client, pool)
+        observed = await observe(self.client, pool, report.live)
         problems = report.problems + observed.problems
         status = compute_status(pool, observed, problems, previous, self.clock())
         if not same_status(previous, status):
