@@ -111,6 +111,8 @@ class TritonAttentionBackend(AttentionBackend):
                q.device)
         lp = self._plans.get(key)
         if lp is None:
+            if len(self._plans) >= 4096:  # eager steps vary num_tokens/num_seqs: stay bounded
+                self._plans.clear()
             lp = self._plans[key] = self.plan(*key)
         if lp.num_splits > 1:
             part_out = torch.empty((num_tokens, num_heads, lp.num_splits, head_dim),
