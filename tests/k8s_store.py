@@ -184,8 +184,12 @@ class Store:
     def create(self, kind: Kind, ns: str | None, obj: Obj) -> Obj:
         obj = copy.deepcopy(obj)
         meta = obj.setdefault("metadata", {})
-        if not meta.get("name") and meta.get("generateName"):
-            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+        generated = not meta.get("name")
+        if generated and not meta.get("generateName"):
+            raise ApiError(422, "Invalid", "metadata.name or generateName is required")
+        while generated and (not meta.get("name") or self.key(
+                kind, ns or meta.get("namespace"), meta["name"]) in self.objects):
+            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]  # retried if taken
         if kind.namespaced:
             meta["namespace"] = ns or meta.get("namespace") or "default"
         key = self.key(kind, meta.get("namespace"), meta["name"])

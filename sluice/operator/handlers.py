@@ -80,13 +80,8 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> kopf.OperatorRegis
 
     async def _child_changed(namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
         pool = labels.get("sluice.dev/pool")
-        if not pool or not namespace:
-            return
-        try:
-            body = await rt.client.get(kube.POOLS, namespace, pool)
-        except kube.NotFound:
-            return
-        await rt.reconciler.reconcile(body)
+        if pool and namespace:
+            await rt.reconciler.reconcile_named(namespace, pool)
 
     for group, version, plural in CHILDREN:
         resource = (group, version, plural) if group else (version, plural)

@@ -40,8 +40,12 @@ class _Slot:
 
 class Reconciler:
     def __init__(self, client: kube.KubeClient, config: RenderConfig, events: EventSink,
-                 clock: Callable[[], str] = utcnow):
+                 clock: Callable[[], str] = utcnow, max_concurrent: int = 16):
         self.client, self.config, self.events, self.clock = client, config, events, clock
+        # Bounded concurrency: passes beyond this wait (and coalesce) instead of piling
+        # requests onto the API server and the connection pool.
+        self.max_concurrent = max_concurrent
+        self._gate: asyncio.Semaphore | None = None
         self._slots: dict[tuple[str, str], _Slot] = {}
         # (uid, generation) last pruned per pool: orphans appear only when the spec
         # changes, so child events (drift, readiness) skip the three list calls.
@@ -63,10 +67,24 @@ class Reconciler:
             current: Mapping[str, Any] | None = body
             while current is not None:
                 slot.pending = False
-                await self._pass(current)
+                if self._gate is None:
+                    self._gate = asyncio.Semaphore(self.max_concurrent)
+                async with self._gate:
+                    await self._pass(current)
                 current = await self._reread(key) if slot.pending else None
         if not slot.lock.locked() and not slot.pending:
             self._slots.pop(key, None)
+
+    async def reconcile_named(self, namespace: str, name: str) -> None:
+        """Reconcile by name (child events): no read at all if a pass is already running
+        for the pool — it is marked pending and the running pass re-reads it."""
+        slot = self._slots.get((namespace, name))
+        if slot is not None and slot.lock.locked():
+            slot.pending = True
+            return
+        body = await self._reread((namespace, name))
+        if body is not None:
+            await self.reconcile(body)
 
     async def _reread(self, key: tuple[str, str]) -> Mapping[str, Any] | None:
         try:
