@@ -148,8 +148,8 @@ def test_cuda_graph_padding(splits, dtype):
                     pad_tokens=5, pad_seqs=3, pad_decodes=3)
 
 
-# Triton 3.8's interpreter computes tl.dot on bfloat16 operands wrongly (it multiplies the raw
-# bits), so on CPU only float16 exercises the 16-bit path (P cast to V's dtype, casting stores).
+# Triton 3.8's interpreter computes tl.dot on bfloat16 operands wrongly (triton#11584: raw
+# bit patterns multiplied), so on CPU float16 exercises the 16-bit path (P cast to V's dtype).
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16] if CUDA else [torch.float16])
 def test_half_precision(dtype):
     check_attention(TritonAttentionBackend(), MIXED, 1, 4, 64, 16, dtype, seed=21)
