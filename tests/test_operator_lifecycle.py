@@ -216,3 +216,32 @@ def test_switching_to_roles_prunes_the_plain_deployment():
             assert set(_pool(api)["status"]["roles"]) == {"prefill", "decode"}
             await client.close()
     run(scenario)
+
+
+def test_index_outage_retries_then_lets_the_deletion_finish():
+    class Down:
+        calls = 0
+
+        async def __call__(self, namespace, pool, pods):
+            Down.calls += 1
+            raise ConnectionError("redis down")
+
+    async def scenario():
+        import sluice.operator.handlers as handlers
+        handlers_attempts = handlers.PURGE_ATTEMPTS
+        handlers.PURGE_ATTEMPTS = 2  # keep the test short: one retry after 5 s backoff
+        try:
+            async with cluster() as (api, server), operator(server, purge=Down()):
+                client = kube.KubeClient.from_connection(connection(server))
+                await client.create(kube.POOLS, NS, CPU_POOL)
+                await eventually(lambda: _pool(api)["metadata"].get("finalizers"), 3, "finalizer")
+                await client.delete(kube.POOLS, NS, NAME)
+                await eventually(lambda: not api.store.list(api.kind("inferencepools"), NS), 15,
+                                 "deleted despite the outage")
+                assert Down.calls == 2
+                await eventually(lambda: "IndexPurgeFailed" in [r for r, _ in _events(api)],
+                                 3, "a Warning event about the index")
+                await client.close()
+        finally:
+            handlers.PURGE_ATTEMPTS = handlers_attempts
+    run(scenario)

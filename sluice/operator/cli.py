@@ -64,6 +64,7 @@ def login() -> Any:
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     from sluice.operator.runtime import run
 
     asyncio.run(run(config_from_args(args), login()))

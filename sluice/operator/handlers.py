@@ -24,6 +24,7 @@ POOL = (crd.GROUP, crd.VERSION, crd.PLURAL)
 CHILDREN = (("apps", "v1", "deployments"), ("", "v1", "services"),
             ("policy", "v1", "poddisruptionbudgets"), ("", "v1", "pods"))
 MANAGED = {labels.MANAGED_BY: labels.OPERATOR_NAME}
+PURGE_ATTEMPTS = 5
 
 
 def post_event(body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
@@ -88,12 +89,23 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> kopf.OperatorRegis
         kopf.on.event(*resource, labels=MANAGED, registry=registry,
                       id=f"child-{plural}")(_child_changed)
 
-    @kopf.on.delete(*POOL, retries=5, backoff=5, registry=registry)
-    async def _pool_deleted(body: kopf.Body, namespace: str, name: str, **_: Any) -> None:
+    @kopf.on.delete(*POOL, backoff=5, registry=registry)
+    async def _pool_deleted(body: kopf.Body, namespace: str, name: str, retry: int,
+                            **_: Any) -> None:
         endpoints = list((body.get("status") or {}).get("endpoints") or [])
         pods = await rt.client.list(kube.PODS, namespace, labels.pool_selector(name))
         ids = cleanup.pool_pod_ids(endpoints, pods)
-        purged = await rt.purge(namespace, name, ids)
+        try:
+            purged = await rt.purge(namespace, name, ids)
+        except Exception as e:  # Redis down: retry a while, never block the deletion forever
+            if retry < PURGE_ATTEMPTS - 1:
+                raise kopf.TemporaryError(f"index cleanup failed: {type(e).__name__}",
+                                          delay=5) from e
+            post_event(dict(body), "Warning", "IndexPurgeFailed",
+                       f"gave up removing {len(ids)} engines from the index after "
+                       f"{PURGE_ATTEMPTS} attempts ({type(e).__name__}); gateways drop "
+                       "them when their load entries expire")
+            return
         post_event(dict(body), "Normal", "IndexPurged",
                    f"removed {len(ids)} engines ({purged} prefix-index keys) from the index")
 
