@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import copy
 import json
+import os
 import pathlib
 import statistics
 import sys
@@ -92,7 +93,7 @@ async def run(pools: int, singles: int, drifts: int) -> dict[str, Any]:
             latencies.append(await _until(lambda: _has_status(api, f"single-{i}"), 10))
         results["new_pool_children_and_status"] = _summary(latencies)
         # 2. many pools at once, until every one is Ready (pods simulated as ready)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         for i in range(pools):
             await client.create(kube.POOLS, "bench", _pool(f"many-{i:03d}"))
         created = time.perf_counter() - t0
@@ -100,6 +101,9 @@ async def run(pools: int, singles: int, drifts: int) -> dict[str, Any]:
         converge = await _until(lambda: all(_ready(api, n) for n in names), 120)
         results["pools_converge"] = {"pools": pools, "create_s": round(created, 3),
                                      "all_ready_s": round(created + converge, 3),
+                                     # CPU of the whole process (operator + emulator +
+                                     # simulated controllers): stable on a shared machine
+                                     "process_cpu_s": round(time.process_time() - cpu0, 2),
                                      "reconcile_passes": rt.reconciler.passes}
         # 3. drift: delete a Deployment / edit its image, until repaired
         deleted, edited = [], []
@@ -148,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drifts", type=int, default=20)
     parser.add_argument("--json", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
+    load0 = os.getloadavg()[0]
     results = asyncio.run(run(args.pools, args.singles, args.drifts))
+    results["machine"] = {"cpus": os.cpu_count(), "loadavg_1m_before": round(load0, 2),
+                          "loadavg_1m_after": round(os.getloadavg()[0], 2)}
     text = json.dumps(results, indent=2)
     print(text)
     if args.json:

@@ -9,6 +9,7 @@ index finalizer; ownerReferences let the garbage collector remove the children.
 from __future__ import annotations
 
 import logging
+import random
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -70,10 +71,13 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> kopf.OperatorRegis
         except kube.ApiError as e:
             raise kopf.TemporaryError(f"API error while reconciling: {e}", delay=5) from e
 
-    @kopf.timer(*POOL, interval=rt.config.resync_interval_s, initial_delay=
-                rt.config.resync_interval_s, registry=registry)
-    async def _resync(body: kopf.Body, **_: Any) -> None:
-        await rt.reconciler.reconcile(dict(body), full=True)
+    resync = rt.config.resync_interval_s
+
+    @kopf.timer(*POOL, interval=resync, registry=registry,
+                initial_delay=lambda **_: resync * random.uniform(0.5, 1.5))  # spread out
+    async def _resync(body: kopf.Body, namespace: str, name: str, **_: Any) -> None:
+        if rt.reconciler.idle_for(namespace, name) >= 0.9 * resync:
+            await rt.reconciler.reconcile(dict(body), full=True)
 
     @kopf.timer(*POOL, interval=rt.config.autoscale_interval_s, registry=registry)
     async def _autoscale(body: kopf.Body, **_: Any) -> None:

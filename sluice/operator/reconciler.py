@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -50,6 +51,7 @@ class Reconciler:
         # (uid, generation) last pruned per pool: orphans appear only when the spec
         # changes, so child events (drift, readiness) skip the three list calls.
         self._pruned: dict[tuple[str, str], tuple[str, int]] = {}
+        self._last_pass: dict[tuple[str, str], float] = {}  # monotonic time of the last pass
         self.passes = 0  # number of reconcile passes run (for tests and benchmarks)
 
     async def reconcile(self, body: Mapping[str, Any], full: bool = False) -> None:
@@ -75,6 +77,12 @@ class Reconciler:
         if not slot.lock.locked() and not slot.pending:
             self._slots.pop(key, None)
 
+    def idle_for(self, namespace: str, name: str) -> float:
+        """Seconds since the pool's last pass (inf if never): the resync timer skips pools
+        that event-driven passes keep fresh, so its load does not delay drift repair."""
+        last = self._last_pass.get((namespace, name))
+        return float("inf") if last is None else time.monotonic() - last
+
     async def reconcile_named(self, namespace: str, name: str) -> None:
         """Reconcile by name (child events): no read at all if a pass is already running
         for the pool — it is marked pending and the running pass re-reads it."""
@@ -95,8 +103,10 @@ class Reconciler:
     async def _pass(self, body: Mapping[str, Any]) -> None:
         self.passes += 1
         meta = body["metadata"]
+        self._last_pass[(meta.get("namespace") or "default", meta["name"])] = time.monotonic()
         if meta.get("deletionTimestamp"):
             self._pruned.pop((meta.get("namespace") or "default", meta["name"]), None)
+            self._last_pass.pop((meta.get("namespace") or "default", meta["name"]), None)
             return  # owner references and the finalizer take it from here
         previous = body.get("status") or {}
         try:
