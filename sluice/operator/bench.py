@@ -117,6 +117,7 @@ async def run(pools: int, singles: int, drifts: int) -> dict[str, Any]:
         results["drift_deleted_deployment"] = _summary(deleted)
         results["drift_edited_deployment"] = _summary(edited)
         await client.close()
+    results["operator_thread_cpu_s_total"] = round(rt.stats.get("operator_thread_cpu_s", 0), 2)
     return results
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import kopf
@@ -41,6 +41,7 @@ class Runtime:
     reconciler: Reconciler
     autoscaler: Autoscaler
     purge: cleanup.IndexPurger
+    stats: dict[str, float] = field(default_factory=dict)  # counters for benchmarks
 
 
 def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:

@@ -86,9 +86,10 @@ class KubeClient:
         """Build from a `kopf.ConnectionInfo` (server, CA, token or client certificate);
         kopf turns it into TLS settings and auth headers the same way for its own client."""
         verify: Any = info.as_ssl_context() if info.server.startswith("https") else True
-        # Many pools reconcile concurrently: keep enough connections alive that a burst
-        # does not open and close one per request.
-        limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+        # Up to 16 reconcile passes run at once (Reconciler.max_concurrent) plus timers:
+        # keep that many connections alive (no connect per request), and no more (httpx
+        # scans its pool on every request).
+        limits = httpx.Limits(max_connections=24, max_keepalive_connections=24)
         http = httpx.AsyncClient(base_url=info.server, verify=verify, limits=limits,
                                  headers=info.as_http_headers(), timeout=timeout)
         return cls(http)
