@@ -7,11 +7,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
+import torch
 
 # The suite shares two cores with the engine processes it starts; one thread
 # each avoids OpenMP oversubscription, which stalls every op.
 torch.set_num_threads(1)
+
+if not torch.cuda.is_available():  # Triton kernels run in Triton's interpreter on CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

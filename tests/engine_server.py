@@ -31,7 +31,7 @@ class EngineProcess:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
-    def wait_ready(self, timeout: float = 120.0) -> "EngineProcess":
+    def wait_ready(self, timeout: float = 120.0) -> EngineProcess:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:

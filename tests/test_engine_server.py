@@ -8,7 +8,6 @@ import time
 import httpx
 import openai
 import pytest
-
 from engine_server import EngineProcess
 
 MODEL = "tiny-chat"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from hf_models import FAMILIES, hf_greedy, load_hf
+
 from sluice.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from sluice.engine.llm_engine import LLMEngine
 from sluice.engine.sampling_params import SamplingParams

@@ -211,7 +211,7 @@ def test_write_kv(num_kv_heads, head_dim, block_size, dtype):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_engine_greedy_matches_torch_backend(family, tmp_path, monkeypatch):
+def test_engine_greedy_matches_torch_backend(family, tmp_path):
     """The whole engine (decoder, chunked prefill, prefix-cache hits, decodes with split-KV)
     gives the same greedy tokens with this backend as with the PyTorch one (float32)."""
     import json
@@ -229,18 +229,17 @@ def test_engine_greedy_matches_torch_backend(family, tmp_path, monkeypatch):
     rest = [shared + [rnd.randrange(3, 512) for _ in range(n)] for n in (2, 9)]
     greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 
-    def generate(backend_cls):
-        monkeypatch.setattr(llm_engine, "TorchAttentionBackend", backend_cls)
+    def generate(backend):
         engine = llm_engine.LLMEngine(EngineConfig(
             model=str(tmp_path), served_model_name="tiny", load_format="dummy",
-            dtype="float32", device=DEVICE.type,
+            dtype="float32", device=DEVICE.type, attention_backend=backend, enforce_eager=True,
             cache=CacheConfig(block_size=8, num_blocks=64),
             scheduler=SchedulerConfig(max_num_batched_tokens=24)))
         out = engine.generate(first, greedy) + engine.generate(rest, greedy)
         assert engine.metrics.prefix_hits._value.get() >= 2 * 24
         return out
 
-    assert generate(TritonAttentionBackend) == generate(TorchAttentionBackend)
+    assert generate("triton") == generate("torch")
 
 # Compiled (not interpreted) for an H100 without one: the interpreter accepts code that the
 # compiler may reject, and says nothing about registers. Each case is what `plan` picks for a

@@ -14,8 +14,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
-from typing import Callable
+from collections.abc import AsyncIterator, Callable
 
 from sluice.engine.llm_engine import LLMEngine
 from sluice.engine.outputs import RequestOutput
@@ -111,7 +110,7 @@ class AsyncEngine:
                     self._deliver(out)
                 if self.on_step is not None:
                     self.on_step()
-        except BaseException as exc:  # noqa: BLE001 - surfaced to every waiting client
+        except BaseException as exc:
             log.exception("engine loop crashed")
             self.error = exc
             with self._lock:

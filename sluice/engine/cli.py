@@ -23,6 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto: Triton on CUDA, PyTorch (gather + SDPA) on CPU")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", default="512MiB", help="KV-cache budget on CPU")
@@ -57,7 +60,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             model.rstrip("/")).removesuffix(".gguf"))
     return EngineConfig(
         model=model, served_model_name=name, load_format=args.load_format, dtype=args.dtype,
-        device=args.device, seed=args.seed,
+        device=args.device, seed=args.seed, attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
         cache=CacheConfig(block_size=args.block_size,
                           kv_cache_memory=parse_size(args.kv_cache_memory),
                           gpu_memory_utilization=args.gpu_memory_utilization,

@@ -31,7 +31,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "ModelConfig":
+    def from_hf(cls, cfg: dict) -> ModelConfig:
         model_type = cfg.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -110,6 +110,8 @@ class EngineConfig:
     load_format: str = "auto"  # auto | dummy
     dtype: str = "auto"
     device: str = "auto"
+    attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
+    enforce_eager: bool = False  # no CUDA graphs
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -57,8 +57,10 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
+        use_triton = config.attention_backend == "triton" or (
+            config.attention_backend == "auto" and self.device.type == "cuda")
         backend = TorchAttentionBackend()
-        if self.device.type == "cuda":  # Triton paged attention; imported lazily (CPU has none)
+        if use_triton:  # Triton paged attention; imported lazily (CPU installs need no Triton)
             from sluice.engine.attention.triton_backend import TritonAttentionBackend
 
             backend = TritonAttentionBackend()
@@ -66,13 +68,16 @@ class LLMEngine:
                                 self.dtype, self.device, config.seed, weights)
         mcfg = self.model.config
         cache = config.cache
-        num_blocks = num_kv_blocks(mcfg, cache, self.dtype, self.device)
+        num_blocks = num_kv_blocks(mcfg, cache, self.dtype, self.device, self._step_peak())
         limit = config.scheduler.max_model_len or mcfg.max_position_embeddings
         self.max_model_len = min(limit, num_blocks * cache.block_size)
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
                                  record_kv_events)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.runner = ModelRunner(self.model, num_blocks, cache.block_size, self.device, self.dtype)
+        if use_triton and self.device.type == "cuda" and not config.enforce_eager:
+            self.runner.enable_decode_graphs(config.scheduler.max_num_seqs, self.max_model_len,
+                                             capture=True)
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(
             tokenizer.eos_token_ids if tokenizer is not None else mcfg.eos_token_ids)
@@ -81,6 +86,18 @@ class LLMEngine:
         self.requests: dict[str, OutputState] = {}
         log.info("KV cache: %d blocks of %d tokens (%s, %s); max_model_len %d", num_blocks,
                  cache.block_size, self.dtype, self.device, self.max_model_len)
+
+    def _step_peak(self) -> int:
+        """On CUDA, the activation peak of a full-budget step (measured on a scratch pool)."""
+        cfg = self.config
+        if self.device.type != "cuda" or cfg.cache.num_blocks is not None:
+            return 0
+        n, bs = cfg.scheduler.max_num_batched_tokens, cfg.cache.block_size
+        probe = ModelRunner(self.model, -(-n // bs), bs, self.device, self.dtype)
+        peak = probe.profile_step_peak(n, cfg.scheduler.max_num_seqs)
+        del probe
+        torch.cuda.empty_cache()
+        return peak
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -13,21 +13,22 @@ import torch
 
 from sluice.engine.attention.backend import AttentionMetadata
 from sluice.engine.config import CacheConfig, ModelConfig
+from sluice.engine.cuda_graph import DecodeGraphRunner
 from sluice.engine.model.decoder import CausalLM
 from sluice.engine.request import Request
 from sluice.engine.sampler import SampleResult, sample
 
 
 def num_kv_blocks(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
-                  device: torch.device) -> int:
-    """Blocks that fit the budget: --kv-cache-memory on CPU, --gpu-memory-utilization on GPU."""
+                  device: torch.device, step_peak_bytes: int = 0) -> int:
+    """Blocks that fit the budget: --kv-cache-memory on CPU; on GPU, utilization x total
+    memory minus what is in use now (weights, other processes) minus a step's activation peak."""
     if cache.num_blocks is not None:
         return cache.num_blocks
     bytes_per_block = cache.block_size * cfg.kv_bytes_per_token(dtype.itemsize)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        budget = int(total * cache.gpu_memory_utilization) - used
+        budget = int(total * cache.gpu_memory_utilization) - (total - free) - step_peak_bytes
     else:
         budget = cache.kv_cache_memory
     num = budget // bytes_per_block
@@ -47,6 +48,13 @@ class ModelRunner:
         shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
                           for _ in range(cfg.num_hidden_layers)]
+        self.decode_graphs: DecodeGraphRunner | None = None  # set by enable_decode_graphs
+
+    def enable_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool) -> None:
+        """Route decode-only steps through padded static buffers (captured as CUDA graphs)."""
+        max_blocks = -(-max_model_len // self.block_size)
+        self.decode_graphs = DecodeGraphRunner(self.model, self.kv_caches, max_batch, max_blocks,
+                                               self.device, capture)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]], block_tables: list[list[int]],
@@ -72,6 +80,18 @@ class ModelRunner:
             seq_lens.append(end)
             if id(req) in sampling_ids:
                 logit_rows.append(query_start_loc[-1] - 1)
+        graphs = self.decode_graphs
+        if (graphs is not None and len(input_ids) == len(scheduled) <= graphs.max_batch):
+            hidden = graphs.run(input_ids, positions, slots, seq_lens, block_tables)
+        else:
+            hidden = self._forward(input_ids, positions, slots, query_start_loc, seq_lens,
+                                   block_tables)
+        if not logit_rows:
+            return SampleResult([], [])
+        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
+        return sample(logits, sampling)
+
+    def _forward(self, input_ids, positions, slots, query_start_loc, seq_lens, block_tables):
         width = max(len(t) for t in block_tables)
         padded = [t + [0] * (width - len(t)) for t in block_tables]
         dev = self.device
@@ -85,9 +105,20 @@ class ModelRunner:
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
         )
-        hidden = self.model(torch.tensor(input_ids, device=dev),
-                            torch.tensor(positions, device=dev), self.kv_caches, meta)
-        if not logit_rows:
-            return SampleResult([], [])
-        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
-        return sample(logits, sampling)
+        return self.model(torch.tensor(input_ids, device=dev),
+                          torch.tensor(positions, device=dev), self.kv_caches, meta)
+
+    @torch.inference_mode()
+    def profile_step_peak(self, num_tokens: int, num_logit_rows: int) -> int:
+        """CUDA bytes a step of num_tokens (one sequence) plus num_logit_rows logits adds at
+        peak on top of what is allocated now; run before the real KV pool is sized."""
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        table = list(range(-(-num_tokens // self.block_size)))
+        hidden = self._forward(list(range(num_tokens)), list(range(num_tokens)),
+                               list(range(num_tokens)), [0, num_tokens], [num_tokens], [table])
+        rows = hidden[-1:].expand(num_logit_rows, -1)
+        torch.softmax(self.model.compute_logits(rows), dim=-1)  # sampler-sized temporaries
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - base

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sluice.engine.attention.backend import AttentionBackend, AttentionMetadata
+from sluice.engine.attention.backend import AttentionBackend
 
 
 class TorchAttentionBackend(AttentionBackend):
