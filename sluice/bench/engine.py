@@ -27,6 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=512, help="latency mode")
     p.add_argument("--output-len", type=int, default=128, help="latency mode")
     p.add_argument("--batch-size", type=int, default=1, help="latency mode")
+    p.add_argument("--peak-bandwidth", type=float, default=2.94e12,
+                   help="bytes/s the bandwidth fraction is taken of (H100 80GB copy: 2.94e12)")
+    p.add_argument("--peak-flops", type=float, default=754e12,
+                   help="FLOP/s MFU is taken of (H100 bf16 GEMM: 754e12)")
     p.add_argument("--compare", choices=["hf"], default=None,
                    help="latency mode: also run transformers generate on the same weights")
     p.add_argument("--output-json", default=None)
@@ -54,7 +58,14 @@ def run_throughput(llm, args) -> dict:
     n_out = sum(len(o) for o in outs)
     n_in = sum(len(p) for p, _ in reqs)
     assert n_out == sum(o for _, o in reqs), "ignore_eos: every request runs to its length"
-    return {"elapsed_s": elapsed, "prompt_tokens": n_in, "output_tokens": n_out,
+    # Memory floor: every decode step reads each running sequence's whole KV once, and the
+    # weights at least once per step (all sequences running together: max(out) steps).
+    cfg, kv_bytes = llm.model.config, llm.model.config.kv_bytes_per_token(llm.dtype.itemsize)
+    kv_read = sum(o * len(p) + o * (o - 1) // 2 for p, o in reqs) * kv_bytes
+    floor_s = (kv_read + max(o for _, o in reqs) * cfg.num_params * llm.dtype.itemsize) / (
+        args.peak_bandwidth)
+    return {"elapsed_s": elapsed, "memory_floor_s": floor_s,
+            "fraction_of_floor": floor_s / elapsed, "prompt_tokens": n_in, "output_tokens": n_out,
             "output_tok_s": n_out / elapsed, "total_tok_s": (n_in + n_out) / elapsed,
             "preemptions": llm.scheduler.num_preemptions_total}
 
@@ -79,7 +90,13 @@ def run_latency(llm, args) -> dict:
             first_token_s = time.perf_counter() - start
     decode = step_times[-(args.output_len - 1):] if args.output_len > 1 else []
     tpot = sum(decode) / len(decode) if decode else 0.0
+    cfg, size = llm.model.config, llm.dtype.itemsize
+    context = args.input_len + args.output_len // 2  # mean context of the decode steps
+    step_bytes = cfg.num_params * size + args.batch_size * context * cfg.kv_bytes_per_token(size)
+    prefill_flops = 2 * cfg.num_params * args.input_len * args.batch_size
     return {"ttft_ms": first_token_s * 1e3, "tpot_ms": tpot * 1e3,
+            "decode_bandwidth_fraction": step_bytes / tpot / args.peak_bandwidth if tpot else 0.0,
+            "prefill_mfu": prefill_flops / first_token_s / args.peak_flops,
             "batch_size": args.batch_size, "input_len": args.input_len,
             "output_len": args.output_len}
 
