@@ -87,6 +87,17 @@ def test_seed_reproducible(client):
     assert len({run(s) for s in (1, 2, 3)}) > 1
 
 
+def test_n_choices(client):
+    r = client.completions.create(model=MODEL, prompt=["Hello", "Goodbye"], n=3, max_tokens=6,
+                                  temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == list(range(6))
+    assert r.usage.completion_tokens == 36
+    assert len({c.text for c in r.choices[:3]}) > 1, "the n samples of one prompt differ"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, n=2, max_tokens=4,
+                                                 stream=True, extra_body={"ignore_eos": True}))
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
+
+
 def test_logprobs(client):
     r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0,
                                   logprobs=2, extra_body={"ignore_eos": True})

@@ -93,8 +93,11 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI:
             n_logprobs = body.logprobs
         streams: list[AsyncIterator] = []
         try:
-            for i, ids in enumerate(prompts):
-                params = body.sampling_params(default_max_tokens(len(ids)), n_logprobs)
+            # Choice i is sample i % n of prompt i // n (OpenAI's order for n > 1).
+            for i in range(len(prompts) * body.n):
+                ids = prompts[i // body.n]
+                params = body.sampling_params(default_max_tokens(len(ids)), n_logprobs,
+                                              i % body.n)
                 gen = engine.generate(f"{rid}-{i}", ids, params, body.cache_salt)
                 streams.append(_prime(gen))
                 await streams[-1].__anext__()  # surfaces validation / overload errors now
@@ -106,7 +109,7 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI:
             if isinstance(exc, EngineDeadError):
                 return error_response(str(exc), 503)
             return error_response(str(exc), 400)
-        choices = [fmt.ChoiceState(i) for i in range(len(prompts))]
+        choices = [fmt.ChoiceState(i) for i in range(len(streams))]
         if body.stream:
             events = _stream_events(streams, choices, body, rid, obj, chat)
             return StreamingResponse(events, media_type="text/event-stream")

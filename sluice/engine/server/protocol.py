@@ -8,6 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sluice.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
+MAX_N = 16  # choices per prompt
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -30,13 +32,15 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None
 
-    def sampling_params(self, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int, logprobs: int | None,
+                        sample_index: int = 0) -> SamplingParams:
+        """Engine parameters for the sample_index-th of the n choices (seed + index)."""
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return SamplingParams(
             max_tokens=self._max_tokens() or default_max_tokens,
@@ -44,7 +48,7 @@ class _SamplingFields(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
             min_p=self.min_p or 0.0,
-            seed=self.seed,
+            seed=None if self.seed is None else self.seed + sample_index,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=self.repetition_penalty or 1.0,
