@@ -102,3 +102,14 @@ def test_prefix_caching_disabled_still_correct(reference):
     engine = make_engine(ref[0], prefix_caching=False)
     assert engine.generate(batch + batch, GREEDY) == [expected(ref, p) for p in batch + batch]
     assert engine.metrics.prefix_hits._value.get() == 0
+
+
+def test_sharded_checkpoint(reference, tmp_path):
+    """A checkpoint split over several safetensors files loads to the same model."""
+    folder, model, _ = reference["qwen2"]
+    model.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="200KB")
+    shards = list(tmp_path.glob("*.safetensors"))
+    assert len(shards) > 2
+    batch = prompts(2, seed=8)
+    assert make_engine(tmp_path).generate(batch, GREEDY) == [expected(reference["qwen2"], p)
+                                                           for p in batch]
