@@ -178,3 +178,25 @@ def test_models_from_every_pool():
         r = post(gw.url, {"model": "beta", "prompt": "x"})
         assert r.headers["x-sluice-pod"] == f"127.0.0.1:{b.port}"
         assert r.headers["x-sluice-strategy"] == "least_load"
+
+
+def test_pending_prefill_and_inflight_are_released():
+    st = {}
+    with Server(fake_engine("ok", st)) as up:
+        app = gateway_app([(up, "m")], strategy="kv_aware")
+        gw = app.state.gateway
+        with Server(app) as server:
+            with httpx.stream("POST", server.url + "/v1/completions", json={
+                    "model": "m", "prompt": list(range(64)), "stream": True}) as r:
+                assert r.headers["x-sluice-prompt-blocks"] == "4"
+                lines = r.iter_lines()
+                next(lines)
+                assert gw.proxy.pending_prefill == {} and sum(gw.proxy.inflight.values()) == 1
+                list(lines)
+            deadline = time.time() + 5
+            while gw.proxy.inflight and time.time() < deadline:
+                time.sleep(0.05)
+            assert gw.proxy.inflight == {} and gw.proxy.pending_prefill == {}
+            # a second identical prompt: the speculative entry makes it a full hit
+            r = post(server.url, {"model": "m", "prompt": list(range(64))})
+            assert r.headers["x-sluice-prefix-hit-blocks"] == "4"

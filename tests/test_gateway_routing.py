@@ -15,7 +15,7 @@ PODS = ["p0:1", "p1:1", "p2:1", "p3:1"]
 PROMPT = list(range(1000, 1160))  # 10 blocks of 16
 
 
-def make(strategy="kv_aware", loads=None, unhealthy=(), inflight=None, **cfg):
+def make(strategy="kv_aware", loads=None, unhealthy=(), inflight=None, pending=None, **cfg):
     index = PrefixIndex(LocalIndex(), None)
     table = LoadTable(ttl_ms=10_000)
     now = time.time() * 1000
@@ -25,7 +25,7 @@ def make(strategy="kv_aware", loads=None, unhealthy=(), inflight=None, **cfg):
             table.put(pod, EngineMetrics(waiting=w, running=r, kv_usage=kv), now)
     router = Router(RoutingConfig(strategy=strategy, **cfg), index, LocalIndex(), table,
                     lambda p: p not in unhealthy, lambda p: (inflight or {}).get(p, 0),
-                    lambda p: 16)
+                    lambda p: 16, lambda p: (pending or {}).get(p, 0))
     return router, index
 
 
@@ -74,6 +74,17 @@ def test_cold_requests_spread():
     for i in range(200):
         seen[route(router, tokens=[i] * 64).pod] += 1
     assert set(seen) == set(PODS) and min(seen.values()) > 20
+
+
+def test_cold_request_avoids_pods_busy_with_prefills():
+    router, _ = make(pending={"p0:1": 40, "p1:1": 30, "p2:1": 50}, speculative_ttl_ms=0)
+    assert {route(router, tokens=[i] * 64).pod for i in range(20)} == {"p3:1"}
+
+
+def test_prefix_hit_still_wins_over_a_small_pending_prefill():
+    router, index = make(pending={"p2:1": 4})
+    hold(index, "p2:1", 10)
+    assert route(router).pod == "p2:1"
 
 
 def test_inflight_counts_before_scrape_catches_up():

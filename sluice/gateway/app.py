@@ -89,7 +89,8 @@ class Gateway:
                                     self.client, cfg.probe_interval_s)
         self.router = Router(cfg.routing, self.index, LocalIndex(cfg.local_index), self.loads,
                              self.health.is_healthy, lambda p: self.proxy.inflight.get(p, 0),
-                             self.registry.block_size_of)
+                             self.registry.block_size_of,
+                             lambda p: self.proxy.pending_prefill.get(p, 0))
         self.proxy = Proxy(cfg.proxy, self.client, self.health, self.metrics,
                            self.registry.url_of)
         self.scraper = LoadScraper(self.loads, self.redis, self.registry.active,

@@ -24,6 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokenizer + chat template source (HF folder or .gguf), repeatable")
     d = RoutingConfig()
     for name, help_text in (("w_prefix", "weight of the prefix-hit fraction"),
+                            ("w_prefill", "weight of the pending-prefill cost score"),
                             ("w_queue", "weight of the queue score"),
                             ("w_kv", "weight of the free-KV score"),
                             ("imbalance_abs", "imbalance gate: absolute queue difference"),
@@ -52,7 +53,8 @@ def build(args: argparse.Namespace):
     from sluice.gateway.proxy import ProxyConfig
 
     routing = RoutingConfig(
-        strategy=args.routing, w_prefix=args.w_prefix, w_queue=args.w_queue, w_kv=args.w_kv,
+        strategy=args.routing, w_prefix=args.w_prefix, w_prefill=args.w_prefill,
+        w_queue=args.w_queue, w_kv=args.w_kv,
         imbalance_abs=args.imbalance_abs, imbalance_rel=args.imbalance_rel,
         kv_ceiling=args.kv_ceiling, cold_spread=args.cold_spread,
         speculative_ttl_ms=args.speculative_ttl_ms, default_block_size=args.block_size)

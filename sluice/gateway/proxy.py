@@ -52,6 +52,8 @@ class Proxy:
         self.metrics = metrics
         self.url_of = url_of
         self.inflight: dict[str, int] = {}
+        # uncached prompt blocks sent to each pod whose first token is not back yet
+        self.pending_prefill: dict[str, int] = {}
         self.timeout = httpx.Timeout(connect=cfg.connect_timeout_s, read=cfg.read_timeout_s,
                                      write=cfg.read_timeout_s, pool=cfg.connect_timeout_s)
 
@@ -72,13 +74,15 @@ class Proxy:
                 self.metrics.retries.inc()
             tried.add(pod)
             self.inflight[pod] = self.inflight.get(pod, 0) + 1
+            owed = max(decision.total_blocks - decision.hit_blocks, 0)
+            self._owe(pod, owed)
             started = time.perf_counter()
             try:
                 req = self.client.build_request("POST", url + path, content=body,
                                                 headers=headers, timeout=self.timeout)
                 resp = await self.client.send(req, stream=True)
             except httpx.TimeoutException as err:
-                self._done(pod)
+                self._done(pod, owed)
                 if isinstance(err, httpx.ConnectTimeout):
                     self._failed(pod, "connect_timeout")
                     last_error = f"engine {pod} did not accept the connection"
@@ -86,14 +90,14 @@ class Proxy:
                 self.metrics.errors.labels("upstream_timeout").inc()
                 return error_response(504, f"engine {pod} did not answer in time", "timeout")
             except httpx.HTTPError as err:
-                self._done(pod)
+                self._done(pod, owed)
                 self._failed(pod, "connect")
                 last_error = f"engine {pod} unreachable: {type(err).__name__}"
                 continue
             if resp.status_code >= 500 or resp.status_code == 429:
                 text = (await resp.aread())[:500].decode(errors="replace")
                 await resp.aclose()
-                self._done(pod)
+                self._done(pod, owed)
                 if resp.status_code == 429:
                     self.metrics.errors.labels("upstream_429").inc()
                 else:
@@ -102,28 +106,45 @@ class Proxy:
                 continue
             self.health.success(pod)
             self.metrics.ttfb.labels(pod).observe(time.perf_counter() - started)
-            return self._stream(resp, decision, started)
+            return self._stream(resp, decision, started, owed)
         self.metrics.errors.labels("no_pod").inc()
         return error_response(503, last_error, "service_unavailable",
                               headers={"retry-after": "1"})
 
-    def _done(self, pod: str) -> None:
+    def _owe(self, pod: str, blocks: int) -> None:
+        self.pending_prefill[pod] = self.pending_prefill.get(pod, 0) + blocks
+
+    def _paid(self, pod: str, blocks: int) -> None:
+        left = self.pending_prefill.get(pod, 0) - blocks
+        if left <= 0:
+            self.pending_prefill.pop(pod, None)
+        else:
+            self.pending_prefill[pod] = left
+
+    def _done(self, pod: str, owed: int = 0) -> None:
+        """The request left the pod; `owed`: its prefill blocks if still pending."""
         n = self.inflight.get(pod, 1) - 1
         if n <= 0:
             self.inflight.pop(pod, None)
         else:
             self.inflight[pod] = n
+        self._paid(pod, owed)
 
     def _failed(self, pod: str, kind: str) -> None:
         self.metrics.errors.labels(kind).inc()
         self.health.failure(pod)
 
-    def _stream(self, resp: httpx.Response, d: Decision, started: float) -> StreamingResponse:
+    def _stream(self, resp: httpx.Response, d: Decision, started: float,
+                owed: int) -> StreamingResponse:
         sse = resp.headers.get("content-type", "").startswith("text/event-stream")
 
         async def body() -> AsyncIterator[bytes]:
+            pending = owed
             try:
                 async for chunk in resp.aiter_raw():
+                    if pending:  # first body bytes: the prefill is over
+                        self._paid(d.pod, pending)
+                        pending = 0
                     yield chunk
             except httpx.HTTPError as err:
                 self.metrics.errors.labels("mid_stream").inc()
@@ -134,7 +155,7 @@ class Proxy:
                                          f"{type(err).__name__}", "upstream_error")
             finally:
                 await resp.aclose()
-                self._done(d.pod)
+                self._done(d.pod, pending)
                 self.metrics.upstream.labels(d.pod).observe(time.perf_counter() - started)
 
         headers = {"x-sluice-pod": d.pod, "x-sluice-prefix-hit-blocks": str(d.hit_blocks),

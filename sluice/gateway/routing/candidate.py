@@ -14,6 +14,14 @@ class Candidate:
     running: float | None = None
     kv_usage: float | None = None
     inflight: int = 0                # requests this gateway has in flight to the pod
+    pending_prefill: int = 0         # uncached prompt blocks this gateway sent to the pod
+                                     # whose first token has not come back yet
+
+    @property
+    def prefill_cost(self) -> int:
+        """Blocks the pod must prefill before this request's first token: what it
+        already owes this gateway plus this prompt's uncached blocks."""
+        return self.pending_prefill + max(self.total_blocks - self.hit_blocks, 0)
 
     @property
     def load_known(self) -> bool:

@@ -11,6 +11,7 @@ STRATEGIES = ("round_robin", "least_load", "prefix", "kv_aware")
 class RoutingConfig:
     strategy: str = "kv_aware"
     w_prefix: float = 3.0          # weight of the prefix-hit fraction
+    w_prefill: float = 2.0         # weight of the pending-prefill cost score
     w_queue: float = 2.0           # weight of the queue (waiting + running) score
     w_kv: float = 2.0              # weight of the free-KV score
     imbalance_abs: float = 16.0    # gate: max - min queue above this ...
@@ -24,7 +25,7 @@ class RoutingConfig:
 
     def __post_init__(self) -> None:
         assert self.strategy in STRATEGIES, self.strategy
-        assert min(self.w_prefix, self.w_queue, self.w_kv) >= 0
+        assert min(self.w_prefix, self.w_prefill, self.w_queue, self.w_kv) >= 0
         assert self.imbalance_abs >= 0 and self.imbalance_rel >= 1.0
         assert 0 < self.kv_ceiling <= 1.0 and self.cold_spread >= 0
         assert self.speculative_ttl_ms >= 0 and self.default_block_size > 0

@@ -26,7 +26,13 @@ from sluice.gateway.routing.candidate import Candidate
 from sluice.gateway.routing.config import RoutingConfig
 from sluice.gateway.routing.filters import HealthyFilter, ImbalanceGate, KVCeilingFilter
 from sluice.gateway.routing.picker import MaxScorePicker
-from sluice.gateway.routing.scorers import KVUsageScorer, PrefixScorer, QueueScorer, weighted
+from sluice.gateway.routing.scorers import (
+    KVUsageScorer,
+    PrefillCostScorer,
+    PrefixScorer,
+    QueueScorer,
+    weighted,
+)
 
 log = logging.getLogger("sluice.gateway.routing")
 
@@ -45,13 +51,15 @@ class Router:
     def __init__(self, cfg: RoutingConfig, index: PrefixIndex | None, history: LocalIndex,
                  loads: LoadTable, is_healthy: Callable[[str], bool],
                  inflight: Callable[[str], int],
-                 block_size_of: Callable[[str], int | None]) -> None:
+                 block_size_of: Callable[[str], int | None],
+                 pending_prefill: Callable[[str], int] = lambda pod: 0) -> None:
         assert cfg.strategy != "kv_aware" or index is not None
         self.cfg = cfg
         self.index = index
         self.history = history
         self.loads = loads
         self.inflight = inflight
+        self.pending_prefill = pending_prefill
         self.block_size_of = block_size_of
         self.healthy = HealthyFilter(is_healthy)
         self.soft_filters = [KVCeilingFilter(), ImbalanceGate()]
@@ -60,8 +68,9 @@ class Router:
         self._tasks: set[asyncio.Task] = set()
         c = cfg
         self.parts = {"least_load": [(c.w_queue, QueueScorer()), (c.w_kv, KVUsageScorer())],
-                      "prefix": [(c.w_prefix, PrefixScorer()), (c.w_queue, QueueScorer()),
-                                 (c.w_kv, KVUsageScorer())]}
+                      "prefix": [(c.w_prefix, PrefixScorer()),
+                                 (c.w_prefill, PrefillCostScorer()),
+                                 (c.w_queue, QueueScorer()), (c.w_kv, KVUsageScorer())]}
         self.parts["kv_aware"] = self.parts["prefix"]
 
     def index_mode(self) -> str:
@@ -91,6 +100,7 @@ class Router:
             if row is not None and now - row["ts_ms"] < self.loads.ttl_ms:
                 c.waiting, c.running, c.kv_usage = row["waiting"], row["running"], row["kv_usage"]
             c.inflight = self.inflight(c.pod)
+            c.pending_prefill = self.pending_prefill(c.pod)
         for f in self.soft_filters:
             cands = f(cands, self.cfg)
         scores = weighted(cands, self.parts[strategy])
@@ -101,6 +111,7 @@ class Router:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route %s -> %s (%s): %s", strategy, chosen.pod, reason, ", ".join(
                 f"{c.pod} hit={c.hit_blocks}/{c.total_blocks} q={c.queue:g} "
+                f"prefill={c.prefill_cost} "
                 f"kv={c.kv_usage} score={s:.3f}" for c, s in zip(cands, scores)))
         return Decision(chosen.pod, strategy, chosen.hit_blocks, chosen.total_blocks,
                         self.index_mode(), reason)

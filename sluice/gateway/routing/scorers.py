@@ -1,13 +1,17 @@
 """Scorers. The kv_aware / prefix score of a pod is
 
-    score = w_prefix * hit_blocks / total_blocks
-          + w_queue  * (1 - queue / (max_queue + 1))
-          + w_kv     * (1 - kv_usage)
+    score = w_prefix  * hit_blocks / total_blocks
+          + w_prefill * (1 - prefill_cost / (max_prefill_cost + 1))
+          + w_queue   * (1 - queue / (max_queue + 1))
+          + w_kv      * (1 - kv_usage)
 
-where queue = max(waiting + running from the pod's load entry, this gateway's
-in-flight requests to it) and max_queue is over the candidates. A pod whose
-load entry expired (unknown) gets 0 for the queue and KV terms, so it is not
-preferred. least_load uses the last two terms only. Higher is better.
+where prefill_cost = uncached blocks this gateway sent the pod that have not
+produced a first token yet + this prompt's blocks the pod lacks (Dynamo's
+"prefill left after the overlap credit"), queue = max(waiting + running from
+the pod's load entry, this gateway's in-flight requests to it), and the maxima
+are over the candidates. A pod whose load entry expired (unknown) gets 0 for
+the queue and KV terms, so it is not preferred. least_load uses the last two
+terms only. Higher is better.
 """
 
 from __future__ import annotations
@@ -18,6 +22,12 @@ from sluice.gateway.routing.candidate import Candidate
 class PrefixScorer:
     def __call__(self, cands: list[Candidate]) -> list[float]:
         return [c.hit_blocks / c.total_blocks if c.total_blocks else 0.0 for c in cands]
+
+
+class PrefillCostScorer:
+    def __call__(self, cands: list[Candidate]) -> list[float]:
+        top = max((c.prefill_cost for c in cands), default=0)
+        return [1.0 - c.prefill_cost / (top + 1.0) for c in cands]
 
 
 class QueueScorer:
