@@ -7,6 +7,12 @@ full replacements (PUT) carrying the live `resourceVersion`, so a concurrent wri
 makes the API server answer 409; the child is then re-read and compared again, up
 to `MAX_ATTEMPTS` times. A child edited by hand (drift) differs from the desired
 object and is replaced; a child deleted by hand is recreated.
+
+`AppliedMemo` remembers, per child, what the API server returned after our last write
+(uid, spec generation — resourceVersion for kinds without one — and our spec hash). A
+child whose marker still matches was not edited since, so it is left alone even if the
+server normalised a field (`cpu: 1000m` → `1`) and no longer looks like a superset of
+the desired object: that would otherwise be a replace on every pass.
 """
 
 from __future__ import annotations
@@ -19,6 +25,16 @@ from sluice.operator.render import Manifest
 
 MAX_ATTEMPTS = 5
 OWNED_KINDS = (kube.DEPLOYMENTS, kube.PDBS, kube.SERVICES)
+
+
+AppliedMemo = dict[tuple[str, str, str], tuple[str, str, str]]  # (kind, ns, name) -> marker
+
+
+def _marker(obj: dict[str, Any]) -> tuple[str, str, str]:
+    meta = obj.get("metadata") or {}
+    version = meta.get("generation") or f"rv{meta.get('resourceVersion')}"  # spec version
+    return (str(meta.get("uid")), str(version),
+            str((meta.get("annotations") or {}).get(labels.SPEC_HASH_ANNOTATION)))
 
 
 class NotOwned(Exception):
@@ -56,9 +72,10 @@ def owned_by(obj: dict[str, Any], uid: str) -> bool:
                for ref in obj.get("metadata", {}).get("ownerReferences") or ())
 
 
-def needs_update(desired: Manifest, live: dict[str, Any]) -> bool:
+def needs_update(desired: Manifest, live: dict[str, Any], spec_unchanged: bool = False) -> bool:
+    """`spec_unchanged`: the live spec is known to be what we last wrote (memo marker)."""
     dm, lm = desired["metadata"], live.get("metadata", {})
-    return not (is_subset(desired["spec"], live.get("spec"))
+    return not ((spec_unchanged or is_subset(desired["spec"], live.get("spec")))
                 and is_subset(dm["labels"], lm.get("labels") or {})
                 and is_subset(dm["annotations"], lm.get("annotations") or {})
                 and is_subset(dm["ownerReferences"], lm.get("ownerReferences") or []))
@@ -76,28 +93,37 @@ def replacement(desired: Manifest, live: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
-async def apply_child(client: kube.KubeClient, desired: Manifest,
-                      owner_uid: str) -> tuple[str, dict[str, Any]]:
+async def apply_child(client: kube.KubeClient, desired: Manifest, owner_uid: str,
+                      memo: AppliedMemo | None = None) -> tuple[str, dict[str, Any]]:
     """Make one child match `desired`; returns ("created" | "updated" | "unchanged", the
-    object as the API server last returned it)."""
+    object as the API server last returned it). `memo` is updated with its marker."""
     ref = kube.BY_KIND[desired["kind"]]
     ns, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
+    key = (desired["kind"], ns, name)
+    memo = {} if memo is None else memo
+    want_hash = desired["metadata"]["annotations"][labels.SPEC_HASH_ANNOTATION]
     last_error: Exception | None = None
     for _ in range(MAX_ATTEMPTS):
         try:
             live = await client.get(ref, ns, name)
         except kube.NotFound:
             try:
-                return "created", await client.create(ref, ns, desired)
+                created = await client.create(ref, ns, desired)
+                memo[key] = _marker(created)
+                return "created", created
             except kube.Conflict as e:  # created concurrently: compare with it instead
                 last_error = e
                 continue
         if not owned_by(live, owner_uid):
             raise NotOwned(f"{desired['kind']} {ns}/{name} exists and is not owned by this pool")
-        if not needs_update(desired, live):
+        marker = _marker(live)
+        if not needs_update(desired, live, memo.get(key) == marker and marker[2] == want_hash):
+            memo[key] = marker
             return "unchanged", live
         try:
-            return "updated", await client.replace(ref, ns, name, replacement(desired, live))
+            updated = await client.replace(ref, ns, name, replacement(desired, live))
+            memo[key] = _marker(updated)
+            return "updated", updated
         except kube.Conflict as e:  # a concurrent writer won: re-read and retry
             last_error = e
         except kube.NotFound as e:  # deleted between the read and the write
@@ -123,14 +149,15 @@ def _kind_of(ref: kube.ResourceRef) -> str:
     return next(kind for kind, r in kube.BY_KIND.items() if r == ref)
 
 
-async def apply_all(client: kube.KubeClient, desired: list[Manifest],
-                    owner_uid: str, prune_orphans: bool = True) -> ApplyReport:
+async def apply_all(client: kube.KubeClient, desired: list[Manifest], owner_uid: str,
+                    prune_orphans: bool = True, memo: AppliedMemo | None = None
+                    ) -> ApplyReport:
     """Apply every child, then (if asked) prune the ones no longer rendered
     (e.g. a `serve` Deployment after the pool switched to prefill/decode roles)."""
     report = ApplyReport()
     for manifest in desired:
         try:
-            action, live = await apply_child(client, manifest, owner_uid)
+            action, live = await apply_child(client, manifest, owner_uid, memo)
         except NotOwned as e:
             report.problems.append(("ChildNotOwned", str(e)))
             continue

@@ -52,6 +52,7 @@ class Reconciler:
         # changes, so child events (drift, readiness) skip the three list calls.
         self._pruned: dict[tuple[str, str], tuple[str, int]] = {}
         self._last_pass: dict[tuple[str, str], float] = {}  # monotonic time of the last pass
+        self._applied: apply.AppliedMemo = {}  # children as last written (see apply.py)
         self.passes = 0  # number of reconcile passes run (for tests and benchmarks)
 
     async def reconcile(self, body: Mapping[str, Any], full: bool = False) -> None:
@@ -107,6 +108,9 @@ class Reconciler:
         if meta.get("deletionTimestamp"):
             self._pruned.pop((meta.get("namespace") or "default", meta["name"]), None)
             self._last_pass.pop((meta.get("namespace") or "default", meta["name"]), None)
+            for key in [k for k in self._applied if k[1] == meta.get("namespace")
+                        and (k[2] == meta["name"] or k[2].startswith(meta["name"] + "-"))]:
+                del self._applied[key]
             return  # owner references and the finalizer take it from here
         previous = body.get("status") or {}
         try:
@@ -121,7 +125,7 @@ class Reconciler:
         key, version = (pool.namespace, pool.name), (pool.uid, pool.generation)
         prune = self._pruned.get(key) != version
         report = await apply.apply_all(self.client, render_pool(pool, self.config), pool.uid,
-                                       prune_orphans=prune)
+                                       prune_orphans=prune, memo=self._applied)
         if prune:
             self._pruned[key] = version
         for name in report.created:
