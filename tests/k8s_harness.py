@@ -57,8 +57,8 @@ async def operator(server: kmock.Server, *, sampler: Callable[..., Awaitable[Any
                    **config: Any):
     """Run the operator in its own thread and event loop (as if in its own process) until
     the block exits; yields its Runtime."""
-    cfg = OperatorConfig(standalone=True, liveness_endpoint=None,
-                         **{"resync_interval_s": 30.0, "autoscale_interval_s": 30.0, **config})
+    cfg = OperatorConfig(**{"standalone": True, "liveness_endpoint": None,
+                            "resync_interval_s": 30.0, "autoscale_interval_s": 30.0, **config})
     conn = connection(server)
     rt = build_runtime(cfg, conn, purge=purge or FakePurger(), sampler=sampler)
     stop, ready = threading.Event(), threading.Event()

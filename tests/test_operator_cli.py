@@ -21,6 +21,11 @@ def test_flags_map_to_the_frozen_config():
     assert config.autoscale_interval_s == 5.0 and config.liveness_endpoint is None
     default = config_from_args(build_parser(["operator"]).parse_args(["operator"]))
     assert default.clusterwide and default.peering_name == "sluice"
+    # replicas must not tie on peering priority (kopf pauses every operator on a tie)
+    other = config_from_args(build_parser(["operator"]).parse_args(["operator"]))
+    assert default.priority != other.priority and default.priority > 0
+    argv = ["operator", "--priority", "5"]
+    assert config_from_args(build_parser(argv).parse_args(argv)).priority == 5
 
 
 def test_operator_imports_no_torch_engine_or_gateway():

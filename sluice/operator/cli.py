@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import logging
 import os
+import random
 from typing import Any
 
 from sluice.operator.config import OperatorConfig
@@ -31,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peering", default="sluice", help="kopf peering object name")
     parser.add_argument("--standalone", action="store_true",
                         help="no peering (a single replica only)")
+    parser.add_argument("--priority", type=int, default=None,
+                        help="peering priority (default: random, so replicas never tie)")
     parser.add_argument("--resync-interval", type=float, default=60.0)
     parser.add_argument("--autoscale-interval", type=float, default=15.0)
     parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
@@ -42,7 +45,9 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
     return OperatorConfig(
         render=RenderConfig(engine_image=args.engine_image, vllm_image=args.vllm_image),
         namespaces=tuple(args.namespace), peering_name=args.peering,
-        standalone=args.standalone, resync_interval_s=args.resync_interval,
+        standalone=args.standalone,
+        priority=args.priority if args.priority is not None else random.randint(1, 2**31 - 1),
+        resync_interval_s=args.resync_interval,
         autoscale_interval_s=args.autoscale_interval, redis_url=args.redis_url,
         liveness_endpoint=args.liveness or None,
     )

@@ -13,6 +13,9 @@ class OperatorConfig:
     namespaces: tuple[str, ...] = ()  # empty: all namespaces (cluster-wide)
     peering_name: str = "sluice"
     standalone: bool = False  # no peering: only for tests and single-replica runs
+    # kopf peering: the live operator with the highest priority acts; equal priorities
+    # make *all* of them pause, so every replica must have its own (random by default).
+    priority: int = 0
     resync_interval_s: float = 60.0  # safety-net reconcile per pool
     autoscale_interval_s: float = 15.0
     metrics_timeout_s: float = 2.0

@@ -53,6 +53,7 @@ async def run(config: OperatorConfig, connection: kopf.ConnectionInfo, *,
         await kopf.operator(
             registry=registry, settings=settings, standalone=config.standalone,
             peering_name=None if config.standalone else config.peering_name,
+            priority=config.priority,
             clusterwide=config.clusterwide,
             namespaces=list(config.namespaces), liveness_endpoint=config.liveness_endpoint,
             stop_flag=stop_flag, ready_flag=ready_flag)

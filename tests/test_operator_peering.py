@@ -1,0 +1,61 @@
+"""Two operator replicas with kopf peering (as the chart deploys them): only the one
+with the higher priority acts; when it goes away the other takes over."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import pathlib
+
+import kopf
+import yaml
+
+from k8s_controllers import controllers
+from k8s_harness import cluster, connection, eventually, operator
+from sluice.operator import kube
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+POOL = yaml.safe_load((ROOT / "charts/sluice/examples/pool-cpu.yaml").read_text())
+PEERINGS = kube.ResourceRef("kopf.dev", "v1", "clusterkopfpeerings", namespaced=False)
+
+
+def _settings() -> kopf.OperatorSettings:
+    settings = kopf.OperatorSettings()
+    settings.peering.lifetime = 2  # seconds a silent peer still counts as alive
+    settings.queueing.idle_timeout = 0.5
+    settings.queueing.exit_timeout = 0.5
+    settings.background.instant_exit_timeout = 0.05
+    return settings
+
+
+def test_only_the_highest_priority_replica_acts_and_the_other_takes_over():
+    async def scenario():
+        async with cluster() as (api, server), controllers(api):
+            for crd in yaml.safe_load_all((ROOT / "charts/sluice/crds/kopf-peerings.yaml")
+                                          .read_text()):
+                api.register_crd(crd)
+            client = kube.KubeClient.from_connection(connection(server))
+            await client.create(PEERINGS, None, {"apiVersion": "kopf.dev/v1",
+                                                 "kind": "ClusterKopfPeering",
+                                                 "metadata": {"name": "sluice"}})
+            async with contextlib.AsyncExitStack() as low_stack:
+                low = await low_stack.enter_async_context(operator(
+                    server, standalone=False, priority=10, settings=_settings()))
+                async with operator(server, standalone=False, priority=20,
+                                    settings=_settings()) as high:
+                    await asyncio.sleep(1.0)  # both have announced themselves
+                    await client.create(kube.POOLS, "default", POOL)
+                    deployment = lambda: api.store.get(api.kind("deployments"), "default",
+                                                       "smollm2-serve")
+                    await eventually(deployment, 5, "children from the active replica")
+                    await asyncio.sleep(0.5)
+                    assert high.reconciler.passes > 0 and low.reconciler.passes == 0
+                    peers = (await client.get(PEERINGS, None, "sluice")).get("status") or {}
+                    assert sorted(p["priority"] for p in peers.values()) == [10, 20]
+                # the active replica is gone: the other resumes once its peer entry expires
+                await client.patch(kube.POOLS, "default", "smollm2", {"spec": {"replicas": 2}})
+                await eventually(lambda: deployment()["spec"]["replicas"] == 2, 10,
+                                 "the standby replica took over")
+                assert low.reconciler.passes > 0
+            await client.close()
+    asyncio.run(asyncio.wait_for(scenario(), 60))
