@@ -54,6 +54,8 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         self.store = Store()
         self.faults: list[Fault] = []
         self.printer_columns: dict[str, list[dict[str, Any]]] = {}
+        # (user agent, RBAC verb, group, resource[/subresource]) of every resource request
+        self.calls: list[tuple[str, str, str, str]] = []
         self._changed = asyncio.Condition()
         for kind in BUILTIN_KINDS:
             self.register(kind)
@@ -119,6 +121,9 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         if kind is None:
             raise kmock.KubernetesResourceNotFoundError()
         method = request.method.value.upper()
+        self.calls.append((request.headers.get("User-Agent", ""), _verb(request, method),
+                           kind.group, kind.plural + (f"/{request.subresource}"
+                                                      if request.subresource else "")))
         for fault in self.faults:
             if fault.count > 0 and fault.method == method and fault.plural == kind.plural:
                 fault.count -= 1
@@ -228,6 +233,17 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
     def _table(self, kind: Kind, items: list[dict[str, Any]]) -> dict[str, Any]:
         from k8s_table import render_table
         return render_table(self.printer_columns.get(kind.plural), items)
+
+
+def _verb(request: kmock.Request, method: str) -> str:
+    """The RBAC verb the API server would authorise this request as."""
+    if method == "GET":
+        if request.params.get("watch") in ("true", "1"):
+            return "watch"
+        return "get" if request.name else "list"
+    if method == "DELETE" and not request.name:
+        return "deletecollection"
+    return {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}[method]
 
 
 def _crd_validator(crd: dict[str, Any]) -> Any:

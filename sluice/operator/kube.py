@@ -16,6 +16,7 @@ from typing import Any, Mapping
 import httpx
 
 MERGE_PATCH = "application/merge-patch+json"
+USER_AGENT = "sluice-operator/0.1.0"
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,9 @@ class KubeClient:
         # keep that many connections alive (no connect per request), and no more (httpx
         # scans its pool on every request).
         limits = httpx.Limits(max_connections=24, max_keepalive_connections=24)
+        headers = {**info.as_http_headers(), "User-Agent": USER_AGENT}
         http = httpx.AsyncClient(base_url=info.server, verify=verify, limits=limits,
-                                 headers=info.as_http_headers(), timeout=timeout)
+                                 headers=headers, timeout=timeout)
         return cls(http)
 
     async def close(self) -> None:
