@@ -74,6 +74,14 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+class _DropProbes(logging.Filter):
+    """Keep scrapes and probes (/metrics every ~100 ms from each gateway) out of the access log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (len(args) >= 3 and args[2] in ("/metrics", "/health"))
+
+
 def main(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -84,6 +92,7 @@ def main(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("uvicorn.access").addFilter(_DropProbes())
     config = engine_config(args)
     if args.num_threads:
         import torch
