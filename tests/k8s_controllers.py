@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from k8s_store import ApiError, Store
 

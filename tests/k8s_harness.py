@@ -7,14 +7,15 @@ import asyncio
 import contextlib
 import threading
 import time
-from typing import Any, Awaitable, Callable
-
-import kmock
-import kopf
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import k8s_schema
+import kmock
+import kopf
 from k8s_store import ApiError
 from kube_emulator import ApiServerEmulator
+
 from sluice.operator import crd
 from sluice.operator.config import OperatorConfig
 from sluice.operator.runtime import build_runtime, run
@@ -83,7 +84,7 @@ async def operator(server: kmock.Server, *, sampler: Callable[..., Awaitable[Any
     def main() -> None:
         try:
             asyncio.run(operate())
-        except BaseException as e:  # surfaced to the test below
+        except BaseException as e:  # noqa: BLE001 (re-raised in the test thread below)
             errors.append(e)
             ready.set()
 

@@ -16,8 +16,9 @@ import datetime
 import functools
 import itertools
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import jsonpatch
 
@@ -70,22 +71,26 @@ def merge_patch(target: Any, patch: Any) -> Any:
 
 
 def _requirement(expr: str) -> Callable[[dict[str, str]], bool]:
+    """One requirement of a label selector as a predicate on a label dict."""
     expr = expr.strip()
     for op in (" notin ", " in "):
         if op in expr:
-            key, values = expr.split(op, 1)
+            raw_key, values = expr.split(op, 1)
+            key = raw_key.strip()
             allowed = {v.strip() for v in values.strip().strip("()").split(",")}
-            return (lambda ls, k=key.strip(), a=allowed, neg=op == " notin ":
-                    (ls.get(k) in a) != neg if k in ls or neg else False)
+            if op == " notin ":
+                return lambda ls: ls.get(key) not in allowed
+            return lambda ls: key in ls and ls[key] in allowed
     if "!=" in expr:
-        key, value = expr.split("!=", 1)
-        return lambda ls, k=key.strip(), v=value.strip(): ls.get(k) != v
+        key, value = (part.strip() for part in expr.split("!=", 1))
+        return lambda ls: ls.get(key) != value
     if "=" in expr:
-        key, value = expr.replace("==", "=").split("=", 1)
-        return lambda ls, k=key.strip(), v=value.strip(): ls.get(k) == v
+        key, value = (part.strip() for part in expr.replace("==", "=").split("=", 1))
+        return lambda ls: ls.get(key) == value
     if expr.startswith("!"):
-        return lambda ls, k=expr[1:].strip(): k not in ls
-    return lambda ls, k=expr: k in ls
+        absent = expr[1:].strip()
+        return lambda ls: absent not in ls
+    return lambda ls: expr in ls
 
 
 def selector_matches(selector: str | None, labels: dict[str, str]) -> bool:

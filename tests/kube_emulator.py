@@ -17,7 +17,6 @@ from typing import Any
 
 import aiohttp.web
 import kmock
-
 from k8s_store import ApiError, Kind, Store, selector_matches
 
 VERBS = ["get", "list", "watch", "create", "update", "patch", "delete"]
@@ -99,8 +98,10 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         return body
 
     # -- direct access for tests (like kubectl, and the controllers we lack) ------------
+    NotFound = ApiError  # what `store.get` raises for a missing object
+
     def kind(self, plural: str, group: str | None = None) -> Kind:
-        for key, kind in self.store.kinds.items():
+        for kind in self.store.kinds.values():
             if kind.plural == plural and (group is None or kind.group == group):
                 return kind
         raise KeyError(plural)
@@ -223,7 +224,7 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                         continue
                     try:
                         await asyncio.wait_for(self._changed.wait(), timeout=0.1)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         pass
         except (ConnectionResetError, asyncio.CancelledError):
             return response

@@ -8,9 +8,9 @@ import pathlib
 import random
 
 import yaml
-
 from k8s_controllers import controllers
 from k8s_harness import cluster, connection, eventually, operator
+
 from sluice.operator import kube, metrics
 from sluice.operator.autoscale import LoadSample, decide
 from sluice.operator.spec import AutoscalingSpec

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pathlib
 import subprocess
 
+import k8s_schema
 import pytest
 import yaml
-
-import k8s_schema
 from k8s_tools import tool
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -29,7 +28,8 @@ NON_DEFAULT = [
 
 
 def helm(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([tool("helm"), *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([tool("helm"), *args], capture_output=True, text=True, timeout=120,
+                          check=False)
 
 
 def render(*sets: str) -> list[dict]:
@@ -117,7 +117,7 @@ def test_rbac_is_least_privilege(default):
     resources = {r for rule in operator["rules"] for r in rule["resources"]}
     assert "secrets" not in resources and "*" not in resources
     assert all("*" not in rule["verbs"] for rule in operator["rules"])
-    pods = [rule for rule in operator["rules"] if "pods" in rule["resources"]][0]
+    pods = next(rule for rule in operator["rules"] if "pods" in rule["resources"])
     assert set(pods["verbs"]) == {"get", "list", "watch"}
     gateway = _by(default, "Role", "-gateway")
     assert {v for rule in gateway["rules"] for v in rule["verbs"]} == {"get", "list", "watch"}

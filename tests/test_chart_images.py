@@ -17,12 +17,12 @@ IMAGES = {"operator/Dockerfile": "operator", "gateway/Dockerfile": "gateway",
 @pytest.mark.parametrize("path,extra", IMAGES.items())
 def test_dockerfile_is_pinned_non_root_and_installs_its_extra(path, extra):
     text = (ROOT / path).read_text()
-    bases = re.findall(r"^ARG (?:PYTHON|BASE)_IMAGE=(\S+)$", text, re.M)
+    bases = re.findall(r"^ARG (?:PYTHON|BASE)_IMAGE=(\S+)$", text, re.MULTILINE)
     assert bases, "base image must be a build arg with a default"
     for base in bases:
         name, _, tag = base.rpartition(":")
         assert name and tag and tag != "latest" and re.search(r"\d+\.\d+", tag), base
-    assert re.search(r"^USER 10001:10001$", text, re.M)
+    assert re.search(r"^USER 10001:10001$", text, re.MULTILINE)
     assert f'pip install ".[{extra}]"' in text
     others = {"operator", "gateway", "engine"} - {extra}
     assert not any(f".[{o}]" in text for o in others)

@@ -8,13 +8,13 @@ import copy
 import pathlib
 
 import yaml
-
 from k8s_controllers import controllers
 from k8s_harness import cluster, connection, eventually, operator
-from sluice.operator import kube
-from sluice.operator.autoscale import LoadSample
 from test_chart import render
 from test_operator_peering import PEERINGS, _settings
+
+from sluice.operator import kube
+from sluice.operator.autoscale import LoadSample
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

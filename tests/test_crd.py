@@ -6,12 +6,12 @@ from __future__ import annotations
 import copy
 import pathlib
 
+import k8s_schema
 import pytest
 import yaml
 
 from sluice.operator import crd
 from sluice.operator.spec import PoolSpec
-import k8s_schema
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "charts" / "sluice" / "examples").glob("pool-*.yaml"))

@@ -9,8 +9,8 @@ import copy
 import pathlib
 
 import yaml
-
 from k8s_harness import cluster, connection
+
 from sluice.operator import apply, kube
 from sluice.operator.render import render_pool
 from sluice.operator.spec import PoolSpec
@@ -24,12 +24,12 @@ def _deployment(resources=None):
     body = copy.deepcopy(BODY)
     if resources:
         body["spec"]["resources"] = resources
-    return [m for m in render_pool(PoolSpec.from_body(body)) if m["kind"] == "Deployment"][0]
+    return next(m for m in render_pool(PoolSpec.from_body(body)) if m["kind"] == "Deployment")
 
 
 def test_apply_is_idempotent_and_repairs_drift():
     async def scenario():
-        async with cluster() as (api, server):
+        async with cluster() as (_api, server):
             client = kube.KubeClient.from_connection(connection(server))
             memo: apply.AppliedMemo = {}
             desired = _deployment()
@@ -75,7 +75,7 @@ def test_server_normalised_fields_do_not_cause_a_replace_loop():
 
 def test_a_concurrent_writer_conflict_is_retried_with_a_fresh_read():
     async def scenario():
-        async with cluster() as (api, server):
+        async with cluster() as (_api, server):
             client = kube.KubeClient.from_connection(connection(server))
             await apply.apply_child(client, _deployment(), "pool-uid")
             real_replace = client.replace

@@ -7,14 +7,13 @@ import asyncio
 import copy
 import pathlib
 
+import kmock
 import yaml
-
 from k8s_controllers import controllers
 from k8s_harness import cluster, connection, eventually, operator
 from kube_emulator import ApiServerEmulator
-from sluice.operator import crd, kube
 
-import kmock
+from sluice.operator import crd, kube
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CPU_POOL = yaml.safe_load((ROOT / "charts/sluice/examples/pool-cpu.yaml").read_text())
@@ -105,7 +104,7 @@ def test_a_name_taken_by_a_foreign_object_is_degraded_not_overwritten():
 
 def test_schema_rejects_invalid_pools_with_the_rule_message():
     async def scenario():
-        async with cluster() as (api, server):
+        async with cluster() as (_api, server):
             client = kube.KubeClient.from_connection(connection(server))
             body = copy.deepcopy(CPU_POOL)
             body["spec"]["autoscaling"] = {"enabled": True, "minReplicas": 4, "maxReplicas": 2}

@@ -7,9 +7,9 @@ import json
 import pathlib
 
 import yaml
-
 from k8s_harness import cluster, connection
 from k8s_store import merge_patch, selector_matches
+
 from sluice.operator import kube
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -10,8 +10,6 @@ import pathlib
 import tempfile
 
 import kmock
-import pytest
-
 from k8s_controllers import controllers
 from k8s_harness import eventually, operator
 from k8s_tools import tool

@@ -9,9 +9,9 @@ import pathlib
 import time
 
 import yaml
-
 from k8s_controllers import controllers, settle
 from k8s_harness import FakePurger, cluster, connection, eventually, operator
+
 from sluice.operator import kube
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -227,7 +227,7 @@ def test_index_outage_retries_then_lets_the_deletion_finish():
             raise ConnectionError("redis down")
 
     async def scenario():
-        import sluice.operator.handlers as handlers
+        from sluice.operator import handlers
         handlers_attempts = handlers.PURGE_ATTEMPTS
         handlers.PURGE_ATTEMPTS = 2  # keep the test short: one retry after 5 s backoff
         try:

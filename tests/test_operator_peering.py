@@ -9,9 +9,9 @@ import pathlib
 
 import kopf
 import yaml
-
 from k8s_controllers import controllers
 from k8s_harness import cluster, connection, eventually, operator
+
 from sluice.operator import kube
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -99,7 +99,7 @@ def test_vllm_pool_publishes_kv_events_and_requests_gpus():
     assert "--enable-prefix-caching" in args and "--revision" in args
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert c["resources"]["requests"]["nvidia.com/gpu"] == "1"
-    token = [e for e in c["env"] if e["name"] == "HF_TOKEN"][0]
+    token = next(e for e in c["env"] if e["name"] == "HF_TOKEN")
     assert token["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
     pod = dep["spec"]["template"]["spec"]
     assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import functools
 import json
 import os
 import pathlib
@@ -43,7 +44,7 @@ def _pool(name: str) -> dict[str, Any]:
 def _ready(api: Any, name: str) -> bool:
     try:
         pool = api.store.get(api.kind("inferencepools"), "bench", name)
-    except Exception:
+    except api.NotFound:
         return False
     status = pool.get("status") or {}
     return status.get("observedGeneration") == pool["metadata"]["generation"] and any(
@@ -56,7 +57,7 @@ def _has_status(api: Any, name: str) -> bool:
         api.store.get(api.kind("deployments"), "bench", f"{name}-serve")
         api.store.get(api.kind("services"), "bench", name)
         api.store.get(api.kind("poddisruptionbudgets"), "bench", f"{name}-serve")
-    except Exception:
+    except api.NotFound:
         return False
     return bool((pool.get("status") or {}).get("conditions"))
 
@@ -90,7 +91,8 @@ async def run(pools: int, singles: int, drifts: int) -> dict[str, Any]:
         latencies = []
         for i in range(singles):
             await client.create(kube.POOLS, "bench", _pool(f"single-{i}"))
-            latencies.append(await _until(lambda: _has_status(api, f"single-{i}"), 10))
+            name = f"single-{i}"
+            latencies.append(await _until(functools.partial(_has_status, api, name), 10))
         results["new_pool_children_and_status"] = _summary(latencies)
         # 2. many pools at once, until every one is Ready (pods simulated as ready)
         t0, cpu0 = time.perf_counter(), time.process_time()
@@ -111,9 +113,9 @@ async def run(pools: int, singles: int, drifts: int) -> dict[str, Any]:
             name = f"many-{i:03d}-serve"
             uid = api.store.get(api.kind("deployments"), "bench", name)["metadata"]["uid"]
             await client.delete(kube.DEPLOYMENTS, "bench", name)
-            deleted.append(await _until(lambda: _recreated(api, name, uid), 10))
+            deleted.append(await _until(functools.partial(_recreated, api, name, uid), 10))
             await _hand_edit(client, kube, name)
-            edited.append(await _until(lambda: _image(api, name) != "evil:latest", 10))
+            edited.append(await _until(functools.partial(_restored, api, name), 10))
         results["drift_deleted_deployment"] = _summary(deleted)
         results["drift_edited_deployment"] = _summary(edited)
         await client.close()
@@ -137,13 +139,13 @@ async def _hand_edit(client: Any, kube: Any, name: str) -> None:
 def _recreated(api: Any, name: str, uid: str) -> bool:
     try:
         return api.store.get(api.kind("deployments"), "bench", name)["metadata"]["uid"] != uid
-    except Exception:
+    except api.NotFound:
         return False
 
 
-def _image(api: Any, name: str) -> str:
+def _restored(api: Any, name: str) -> bool:
     dep = api.store.get(api.kind("deployments"), "bench", name)
-    return dep["spec"]["template"]["spec"]["containers"][0]["image"]
+    return dep["spec"]["template"]["spec"]["containers"][0]["image"] != "evil:latest"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,8 +10,9 @@ Bearer tokens are never logged.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import httpx
 
@@ -83,7 +84,7 @@ class KubeClient:
         self._http = http
 
     @classmethod
-    def from_connection(cls, info: Any, timeout: float = 30.0) -> "KubeClient":
+    def from_connection(cls, info: Any, timeout: float = 30.0) -> KubeClient:
         """Build from a `kopf.ConnectionInfo` (server, CA, token or client certificate);
         kopf turns it into TLS settings and auth headers the same way for its own client."""
         verify: Any = info.as_ssl_context() if info.server.startswith("https") else True

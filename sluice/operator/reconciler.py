@@ -14,8 +14,9 @@ import asyncio
 import datetime
 import logging
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from sluice.operator import apply, kube
 from sluice.operator.observe import observe

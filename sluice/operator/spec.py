@@ -8,8 +8,9 @@ a user-facing message for what the schema cannot catch.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 SERVE, PREFILL, DECODE = "serve", "prefill", "decode"
 
@@ -123,7 +124,7 @@ class PoolSpec:
     labels: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> "PoolSpec":
+    def from_body(cls, body: Mapping[str, Any]) -> PoolSpec:
         meta = body.get("metadata") or {}
         spec = body.get("spec") or {}
         model = spec.get("model") or {}

@@ -8,7 +8,8 @@ the autoscaler and are carried over unchanged.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from sluice.operator import labels
 from sluice.operator.observe import Observed, Problem, endpoints
