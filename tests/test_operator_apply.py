@@ -97,3 +97,33 @@ def test_a_concurrent_writer_conflict_is_retried_with_a_fresh_read():
                 "limits"]["memory"] == "8Gi"
             await client.close()
     asyncio.run(scenario())
+
+
+def test_triggers_during_a_pass_coalesce_into_one_more_pass_from_a_fresh_read():
+    from sluice.operator.reconciler import Reconciler
+    from sluice.operator.render import RenderConfig
+
+    async def scenario():
+        async with cluster() as (api, server):
+            client = kube.KubeClient.from_connection(connection(server))
+            created = await client.create(kube.POOLS, "default", BODY)
+            reconciler = Reconciler(client, RenderConfig(), lambda *a: None)
+            seen = []
+            real_pass = reconciler._pass
+
+            async def slow_pass(body):
+                seen.append(body["spec"]["replicas"])
+                if len(seen) == 1:  # while the first pass runs: a spec change + 3 triggers
+                    await client.patch(kube.POOLS, "default", "smollm2",
+                                       {"spec": {"replicas": 3}})
+                    for _ in range(3):
+                        await reconciler.reconcile(created)
+                await real_pass(body)
+
+            reconciler._pass = slow_pass
+            await reconciler.reconcile(created)
+            assert seen == [1, 3]  # exactly one more pass, with the re-read spec
+            dep = api.store.get(api.kind("deployments"), "default", "smollm2-serve")
+            assert dep["spec"]["replicas"] == 3
+            await client.close()
+    asyncio.run(scenario())

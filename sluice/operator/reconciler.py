@@ -61,21 +61,26 @@ class Reconciler:
         `full` also looks for orphaned children even if the spec did not change."""
         meta = body["metadata"]
         key = (meta.get("namespace") or "default", meta["name"])
+        if full:
+            self._pruned.pop(key, None)
         slot = self._slots.setdefault(key, _Slot(asyncio.Lock()))
         if slot.lock.locked():
             slot.pending = True  # the running pass re-reads the pool and goes again
             return
-        if full:
-            self._pruned.pop(key, None)
         async with slot.lock:
             current: Mapping[str, Any] | None = body
+            slot.pending = False
             while current is not None:
-                slot.pending = False
                 if self._gate is None:
                     self._gate = asyncio.Semaphore(self.max_concurrent)
                 async with self._gate:
                     await self._pass(current)
-                current = await self._reread(key) if slot.pending else None
+                if not slot.pending:
+                    break
+                # Reset *before* re-reading: a trigger that lands during the read sets
+                # it again, so the pass after this one starts from a fresh read.
+                slot.pending = False
+                current = await self._reread(key)
         if not slot.lock.locked() and not slot.pending:
             self._slots.pop(key, None)
 
