@@ -72,7 +72,9 @@ def _validate(manifests: list[dict], version: str) -> None:
             kubernetes_validate.validate(m, version, strict=True)
 
 
-@pytest.mark.parametrize("values", [[], ["--set", "redis.persistence.enabled=true"]])
+@pytest.mark.parametrize("values", [
+    [], ["--set", "redis.persistence.enabled=true"],
+    [f for s in NON_DEFAULT for f in ("--set", s)]], ids=["default", "persistence", "custom"])
 def test_helm_lint_strict(values):
     out = helm("lint", "--strict", str(CHART), *values)
     assert out.returncode == 0, out.stdout + out.stderr

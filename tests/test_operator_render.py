@@ -162,3 +162,16 @@ def test_rendered_children_validate_against_kubernetes(version):
     for name in ("pool-cpu.yaml", "pool-vllm-gpu.yaml", "pool-disaggregated.yaml"):
         for manifest in render_pool(PoolSpec.from_body(_example(name))):
             kubernetes_validate.validate(manifest, version, strict=True)
+
+
+@pytest.mark.parametrize("name", ["pool-cpu.yaml", "pool-disaggregated.yaml"])
+def test_rendered_sluice_args_parse_with_the_engine_cli(name):
+    """Contract check against the engine's own parser (flag drift fails here)."""
+    from sluice.cli import build_parser
+
+    body = _example(name)
+    dep = _by_kind(render_pool(PoolSpec.from_body(body)))["Deployment"][0]
+    args = _container(dep)["args"]
+    parsed = build_parser(args).parse_args(args)
+    assert parsed.served_model_name == body["spec"]["model"]["name"]
+    assert parsed.port == 8000 and parsed.kv_events_endpoint == "tcp://*:5557"
