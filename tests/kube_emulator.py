@@ -55,6 +55,7 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         self.printer_columns: dict[str, list[dict[str, Any]]] = {}
         # (user agent, RBAC verb, group, resource[/subresource]) of every resource request
         self.calls: list[tuple[str, str, str, str]] = []
+        self.watches: list[tuple[str, str | None]] = []  # (plural, labelSelector) opened
         self._changed = asyncio.Condition()
         for kind in BUILTIN_KINDS:
             self.register(kind)
@@ -184,6 +185,7 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
     async def _watch(self, request: kmock.Request, kind: Kind) -> aiohttp.web.StreamResponse:
         params = request.params
         selector = params.get("labelSelector")
+        self.watches.append((kind.plural, selector))
         timeout = float(params.get("timeoutSeconds") or 0) or None
         response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
         await response.prepare(request._raw_request)

@@ -74,6 +74,12 @@ def test_create_renders_children_and_status_within_a_second():
                              in _events(api), 3, "a Created event")
             await client.close()
             assert elapsed < 1.0
+            # children and pods are filtered by the API server, not streamed cluster-wide
+            child_watches = [(p, sel) for p, sel in api.watches if p in (
+                "pods", "deployments", "services", "poddisruptionbudgets")]
+            assert len(child_watches) >= 4
+            assert all(sel == "app.kubernetes.io/managed-by=sluice-operator,sluice.dev/pool"
+                       for _, sel in child_watches), child_watches
     run(scenario)
 
 

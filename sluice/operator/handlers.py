@@ -54,6 +54,11 @@ def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
     settings.peering.name = config.peering_name
     settings.peering.standalone = config.standalone
     settings.peering.clusterwide = config.clusterwide
+    # Watch only our own children and engine pods, filtered by the API server (kopf's
+    # handler label filters alone would stream every pod of the cluster to the operator).
+    for group, version, plural in CHILDREN:
+        key = (f"{group}/{version}" if group else version, plural)
+        settings.watching.label_selectors[key] = labels.pool_selector_all()
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.networking.request_timeout = 30

@@ -45,6 +45,11 @@ def pool_selector(pool: str) -> str:
     return f"{MANAGED_BY}={OPERATOR_NAME},{POOL}={pool}"
 
 
+def pool_selector_all() -> str:
+    """Label selector for the children and engine pods of every pool."""
+    return f"{MANAGED_BY}={OPERATOR_NAME},{POOL}"
+
+
 def owner_reference(name: str, uid: str) -> dict[str, object]:
     return {"apiVersion": crd.API_VERSION, "kind": crd.KIND, "name": name, "uid": uid,
             "controller": True, "blockOwnerDeletion": True}
