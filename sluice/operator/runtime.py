@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import kopf
 
-from sluice.operator import cleanup, handlers, kube, metrics
+from sluice.operator import cleanup, handlers, kube, metrics, redis_load
 from sluice.operator.autoscaler import Autoscaler, Sampler
 from sluice.operator.config import OperatorConfig
 from sluice.operator.reconciler import EventSink, Reconciler
@@ -26,6 +26,8 @@ def build_runtime(config: OperatorConfig, connection: kopf.ConnectionInfo, *,
     if sampler is None:
         http = httpx.AsyncClient()
         sampler = functools.partial(_sample, http, config.metrics_timeout_s)
+        if config.redis_url:  # engines unreachable from here: the gateways' load table
+            sampler = redis_load.first_of(sampler, redis_load.redis_sampler(config.redis_url))
     if purge is None:
         purge = cleanup.redis_purger(config.redis_url) if config.redis_url else cleanup.no_index
     return handlers.Runtime(
