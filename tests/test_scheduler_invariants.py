@@ -112,3 +112,21 @@ def test_lru_eviction_emits_events():
     events = kv.take_events()
     removed = [h for e in events if type(e).__name__ == "BlockRemoved" for h in e.block_hashes]
     assert set(removed) == set(stored[0].block_hashes), "b needed every block: a's were evicted"
+
+
+def test_cache_salt_separates_prefixes():
+    kv = KVCacheManager(16, 4, True)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv, 64)
+
+    def admit(rid, salt):
+        r = Request(rid, list(range(12)), SamplingParams(max_tokens=1), cache_salt=salt)
+        sched.add(r)
+        sched.update_after_step(sched.schedule())
+        sched.finish(r)
+        return r.num_cached_tokens
+
+    assert admit("a", "tenant-1") == 0
+    assert admit("b", "tenant-2") == 0, "another salt must not hit tenant-1's blocks"
+    assert admit("c", "tenant-1") == 8
+    assert admit("d", None) == 0
+    kv.check_invariants()
