@@ -20,6 +20,7 @@ import torch
 
 from sluice.engine.attention.backend import AttentionMetadata
 from sluice.engine.model.decoder import CausalLM
+from sluice.engine.tensors import to_device
 
 CAPTURE_SIZES = (1, 2, 4, 8, *range(16, 513, 16))
 
@@ -85,12 +86,13 @@ class DecodeGraphRunner:
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         width = max(len(t) for t in block_tables)
         assert width <= self.block_tables.shape[1], "block table wider than max_model_len"
-        self.input_ids[:n].copy_(torch.tensor(input_ids), non_blocking=True)
-        self.positions[:n].copy_(torch.tensor(positions), non_blocking=True)
-        self.slot_mapping[:n].copy_(torch.tensor(slots), non_blocking=True)
-        self.seq_lens[:n].copy_(torch.tensor(seq_lens, dtype=torch.int32), non_blocking=True)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
-        self.block_tables[:n, :width].copy_(tables, non_blocking=True)
+        dev = self.input_ids.device
+        self.input_ids[:n] = to_device(input_ids, torch.long, dev)
+        self.positions[:n] = to_device(positions, torch.long, dev)
+        self.slot_mapping[:n] = to_device(slots, torch.long, dev)
+        self.seq_lens[:n] = to_device(seq_lens, torch.int32, dev)
+        tables = [t + [0] * (width - len(t)) for t in block_tables]
+        self.block_tables[:n, :width] = to_device(tables, torch.int32, dev)
         # Padding rows: no write, nothing to attend to (a previous step may have left values).
         self.input_ids[n:size] = 0
         self.positions[n:size] = 0

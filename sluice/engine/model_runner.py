@@ -17,6 +17,7 @@ from sluice.engine.cuda_graph import DecodeGraphRunner
 from sluice.engine.model.decoder import CausalLM
 from sluice.engine.request import Request
 from sluice.engine.sampler import SampleResult, sample
+from sluice.engine.tensors import to_device
 
 
 def num_kv_blocks(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
@@ -88,7 +89,7 @@ class ModelRunner:
                                    block_tables)
         if not logit_rows:
             return SampleResult([], [])
-        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
+        logits = self.model.compute_logits(hidden[to_device(logit_rows, torch.long, self.device)])
         return sample(logits, sampling)
 
     def _forward(self, input_ids, positions, slots, query_start_loc, seq_lens, block_tables):
@@ -96,17 +97,17 @@ class ModelRunner:
         padded = [t + [0] * (width - len(t)) for t in block_tables]
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            slot_mapping=to_device(slots, torch.long, dev),
+            query_start_loc=to_device(query_start_loc, torch.int32, dev),
+            seq_lens=to_device(seq_lens, torch.int32, dev),
+            block_tables=to_device(padded, torch.int32, dev),
             max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])),
             max_seq_len=max(seq_lens),
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
         )
-        return self.model(torch.tensor(input_ids, device=dev),
-                          torch.tensor(positions, device=dev), self.kv_caches, meta)
+        return self.model(to_device(input_ids, torch.long, dev),
+                          to_device(positions, torch.long, dev), self.kv_caches, meta)
 
     @torch.inference_mode()
     def profile_step_peak(self, num_tokens: int, num_logit_rows: int) -> int:

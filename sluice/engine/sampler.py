@@ -16,6 +16,7 @@ import torch
 
 from sluice.engine.outputs import TokenLogprob
 from sluice.engine.request import Request
+from sluice.engine.tensors import to_device
 
 
 @dataclass
@@ -32,7 +33,7 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in want_logprobs) else None
     logits = _apply_penalties(logits, reqs)
 
-    temps = torch.tensor([r.params.temperature for r in reqs], device=device)
+    temps = to_device([r.params.temperature for r in reqs], torch.float32, device)
     greedy = temps < 1e-5
     tokens = logits.argmax(dim=-1)
     if not all(r.params.greedy for r in reqs):  # decided on the host: no device sync
@@ -75,11 +76,11 @@ def _apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     vocab, device = logits.shape[1], logits.device
     for i in rows:
         p = reqs[i].params
-        out_ids = torch.tensor(reqs[i].output_token_ids, dtype=torch.long, device=device)
+        out_ids = to_device(reqs[i].output_token_ids, torch.long, device)
         counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(logits.dtype)
         if p.repetition_penalty != 1.0:
             seen = counts > 0
-            prompt = torch.tensor(reqs[i].prompt_token_ids, dtype=torch.long, device=device)
+            prompt = to_device(reqs[i].prompt_token_ids, torch.long, device)
             seen[prompt.clamp(max=vocab - 1)] = True
             row = logits[i]
             penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
@@ -91,9 +92,10 @@ def _apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
 def _filter(scaled: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     """Mask logits outside top-k, outside the top-p nucleus, or below min_p * max prob."""
     vocab, device = scaled.shape[1], scaled.device
-    top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in reqs], device=device)
-    top_p = torch.tensor([r.params.top_p for r in reqs], device=device)
-    min_p = torch.tensor([r.params.min_p for r in reqs], device=device)
+    top_k = to_device([r.params.top_k if r.params.top_k > 0 else vocab for r in reqs],
+                      torch.long, device)
+    top_p = to_device([r.params.top_p for r in reqs], torch.float32, device)
+    min_p = to_device([r.params.min_p for r in reqs], torch.float32, device)
     if any(0 < r.params.top_k < vocab or r.params.top_p < 1.0 for r in reqs):
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=device).unsqueeze(0)
