@@ -5,7 +5,6 @@ Triton's interpreter (TRITON_INTERPRET=1, set below before triton is imported) i
 small shapes. The reference always runs on CPU in fp32 over the same cache contents.
 """
 
-import itertools
 import os
 import random
 
@@ -66,7 +65,6 @@ def make_step(seqs, num_kv_heads, qpk, head_dim, block_size, dtype, seed, pad_to
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
             block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
-            max_query_len=max(b - a for a, b in itertools.pairwise(qsl)), max_seq_len=max(lens),
             query_start_loc_cpu=qsl, seq_lens_cpu=lens)
 
     # Rounding everything through `dtype` first makes kernel and reference see equal inputs.

@@ -54,8 +54,6 @@ class DecodeGraphRunner:
             query_start_loc=self.query_start_loc[:size + 1],
             seq_lens=self.seq_lens[:size],
             block_tables=self.block_tables[:size],
-            max_query_len=1,
-            max_seq_len=self.block_tables.shape[1] * self.block_size,
             query_start_loc_cpu=list(range(size + 1)),
             seq_lens_cpu=[0] * size,  # not read by the Triton backend
         )

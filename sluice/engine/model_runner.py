@@ -101,8 +101,6 @@ class ModelRunner:
             query_start_loc=to_device(query_start_loc, torch.int32, dev),
             seq_lens=to_device(seq_lens, torch.int32, dev),
             block_tables=to_device(padded, torch.int32, dev),
-            max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])),
-            max_seq_len=max(seq_lens),
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
         )

@@ -23,8 +23,6 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     seq_lens: torch.Tensor  # [num_seqs] int32, context length incl. this step's tokens
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded
-    max_query_len: int
-    max_seq_len: int
     # Host copies for backends that loop in Python (the CPU reference).
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]

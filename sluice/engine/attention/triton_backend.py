@@ -7,8 +7,7 @@ split-KV reduce when the batch is small enough to need more programs than it has
 CUDA graphs: the kernels read only the device tensors `slot_mapping`, `query_start_loc`,
 `seq_lens` and `block_tables`; launch grids, compile-time constants and scratch sizes depend
 only on tensor shapes (num_tokens, num_heads, num_kv_heads, head_dim, block_size, num_seqs =
-len(seq_lens)) and on constructor settings, never on `max_query_len`, `max_seq_len` or the
-`*_cpu` lists. A captured batch padded to a fixed size therefore replays correctly as long as
+len(seq_lens)) and on constructor settings, never on the host-side `*_cpu` lists. A captured batch padded to a fixed size therefore replays correctly as long as
 its padding follows this contract:
   - padded tokens: slot_mapping = -1 (not written); their output rows are unspecified;
   - padded sequences: query length 0 (query_start_loc repeats its last value), any seq_len;

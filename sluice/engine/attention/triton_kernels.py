@@ -8,8 +8,7 @@ Layouts (all row-major, last dimension contiguous):
   part_lse      [num_tokens, num_heads, num_splits]           fp32  (log2-sum-exp2 per split)
 
 Metadata read on the device: `slot_mapping` (write kernel); `query_start_loc`, `seq_lens`,
-`block_tables` (attention kernel). Host-side values (`max_query_len`, `max_seq_len`,
-`*_cpu`) are never read, so every launch depends only on tensor shapes.
+`block_tables` (attention kernel). The host-side `*_cpu` lists are never read, so every launch depends only on tensor shapes.
 """
 
 from __future__ import annotations
