@@ -32,18 +32,18 @@ class TorchAttentionBackend(AttentionBackend):
                 continue
             q_start, q_end, seq_len = starts[i], starts[i + 1], lens[i]
             k, v = _gather(kv_cache, meta.block_tables[i], seq_len, block_size)
-            qi = q[q_start:q_end].transpose(0, 1)  # [H, q_len, D]
-            q_len = q_end - q_start
+            qi = q[q_start:q_end].transpose(0, 1)[None]  # [1, H, q_len, D]: 4-D inputs take
+            q_len = q_end - q_start                      # CPU SDPA's flash kernel (3-4x faster)
             mask = None
-            if q_len > 1:
+            if q_len < seq_len:
                 # Query row r is absolute position (seq_len - q_len + r); it sees keys <= that.
                 rows = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
                 mask = torch.arange(seq_len).unsqueeze(0) <= rows
             o = F.scaled_dot_product_attention(
-                qi, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
-                enable_gqa=True,
+                qi, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+                is_causal=mask is None, scale=scale, enable_gqa=True,
             )
-            out[q_start:q_end] = o.transpose(0, 1)
+            out[q_start:q_end] = o[0].transpose(0, 1)
         return out
 
     def _decode_batch(self, q, kv_cache, meta, decodes, scale, out):
