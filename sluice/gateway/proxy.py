@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 from fastapi.responses import Response, StreamingResponse
@@ -137,14 +138,24 @@ class Proxy:
     def _stream(self, resp: httpx.Response, d: Decision, started: float,
                 owed: int) -> StreamingResponse:
         sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+        state = {"pending": owed, "closed": False}
+
+        async def close() -> None:
+            """Idempotent: from the body's end, or from the response if the body
+            never started (client gone before the first chunk)."""
+            if state["closed"]:
+                return
+            state["closed"] = True
+            await resp.aclose()
+            self._done(d.pod, state["pending"])
+            self.metrics.upstream.labels(d.pod).observe(time.perf_counter() - started)
 
         async def body() -> AsyncIterator[bytes]:
-            pending = owed
             try:
                 async for chunk in resp.aiter_raw():
-                    if pending:  # first body bytes: the prefill is over
-                        self._paid(d.pod, pending)
-                        pending = 0
+                    if state["pending"]:  # first body bytes: the prefill is over
+                        self._paid(d.pod, state["pending"])
+                        state["pending"] = 0
                     yield chunk
             except httpx.HTTPError as err:
                 self.metrics.errors.labels("mid_stream").inc()
@@ -154,9 +165,7 @@ class Proxy:
                     yield sse_error(502, f"engine {d.pod} failed mid-stream: "
                                          f"{type(err).__name__}", "upstream_error")
             finally:
-                await resp.aclose()
-                self._done(d.pod, pending)
-                self.metrics.upstream.labels(d.pod).observe(time.perf_counter() - started)
+                await close()
 
         headers = {"x-sluice-pod": d.pod, "x-sluice-prefix-hit-blocks": str(d.hit_blocks),
                    "x-sluice-prompt-blocks": str(d.total_blocks),
@@ -164,5 +173,21 @@ class Proxy:
         for name in ("content-encoding", "x-request-id"):
             if name in resp.headers:
                 headers[name] = resp.headers[name]
-        return StreamingResponse(body(), status_code=resp.status_code, headers=headers,
+        return _UpstreamResponse(close, body(), status_code=resp.status_code, headers=headers,
                                  media_type=resp.headers.get("content-type"))
+
+
+class _UpstreamResponse(StreamingResponse):
+    """A StreamingResponse that always releases its upstream, even when the ASGI
+    server cancels it before the body iterator ever ran (its `finally` would not)."""
+
+    def __init__(self, on_close: Callable[[], Awaitable[None]], *args: Any,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
