@@ -106,7 +106,7 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     """Decode a payload from any vLLM version (map, positional, or mixed).
 
     Unknown event types are skipped (forward compatibility); a payload that is
-    not a batch at all raises `msgspec.DecodeError` / `ValueError`.
+    not a batch at all raises `msgspec.DecodeError` or `TypeError`.
     """
     try:
         return _typed_decoder.decode(payload)
@@ -121,6 +121,6 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     else:
         raise TypeError(f"not a KV event batch: {type(raw).__name__}")
     if not isinstance(ts, (int, float)) or not isinstance(events, list):
-        raise ValueError("not a KV event batch")
+        raise TypeError("not a KV event batch: bad ts or events")
     parsed = [e for e in (_event_from_raw(r) for r in events) if e is not None]
     return KVEventBatch(ts=float(ts), events=parsed, data_parallel_rank=rank)

@@ -155,7 +155,7 @@ class Gateway:
         if self.cfg.routing.strategy in ("prefix", "kv_aware"):
             try:
                 token_ids = self.tokenizer.token_ids(kind, data)
-            except Exception as err:  # the engine will reject it with its own message
+            except Exception as err:  # noqa: BLE001 -- the engine rejects it itself
                 log.debug("tokenization failed (%s); routing without prefix", err)
         routed: list[Decision] = []
 

@@ -133,7 +133,7 @@ class KubernetesDiscovery:
                     if self._set(name, ep):
                         publish(list(self._pods.values()))
                 backoff = 0.5
-            except Exception as err:  # API errors, 410 Gone, connection loss: re-list
+            except Exception as err:  # noqa: BLE001 -- API errors, 410 Gone, lost connection
                 if self._stop.is_set():
                     return
                 log.warning("pod watch failed (%s); re-listing in %.1fs", err, backoff)

@@ -89,7 +89,7 @@ class PodRegistry:
         if self.redis is not None:
             try:
                 self.redis.register_pod(ep.pod, ep.namespace, ep.pool, models[0])
-            except Exception as err:  # Redis down: the index notices; meta is best effort
+            except Exception as err:  # noqa: BLE001 -- Redis down: meta is best effort
                 log.warning("could not register %s in redis: %s", ep.pod, err)
 
     async def _learn_models(self, ep: Endpoint) -> None:
