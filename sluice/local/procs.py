@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -23,7 +24,8 @@ class Child:
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=full_env,
-                                     start_new_session=True)  # Ctrl-C reaches us only
+                                     start_new_session=True,  # Ctrl-C reaches us only
+                                     preexec_fn=_die_with_parent)
         tty = hasattr(out, "isatty") and out.isatty()
         color = _COLORS[color_index % len(_COLORS)]
         self.prefix = f"\x1b[{color}m{name:<10}|\x1b[0m " if tty else f"{name:<10}| "
@@ -66,3 +68,13 @@ def wait_until(check, timeout: float, what: str, children: list[Child] = ()) -> 
             return
         time.sleep(0.1)
     raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: on Linux, get SIGTERM when `sluice up` dies, even by
+    SIGKILL, so no engine outlives the stack."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
