@@ -48,3 +48,41 @@ def test_up_serves_prefixes_logs_and_stops_everything(tiny_chat_model):
             raise AssertionError(f"{pod} still serving")
         except httpx.ConnectError:
             pass
+
+
+def test_killed_stack_leaves_no_engine(tiny_chat_model):
+    """Even a SIGKILLed `sluice up` takes its children with it (PR_SET_PDEATHSIG)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sluice.cli", "up", "--engines", "1", "--model",
+         str(tiny_chat_model), "--served-model-name", "tiny", "--port", str(port),
+         "--engine-args", "--num-kv-blocks 64 --max-model-len 512"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        assert proc.poll() is None and time.time() < deadline
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    pods = list(httpx.get(url + "/health").json()["pods"])
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 30
+    alive = list(pods)
+    while alive and time.time() < deadline:
+        time.sleep(0.3)
+        for pod in list(alive):
+            try:
+                httpx.get(f"http://{pod}/health", timeout=1)
+            except httpx.ConnectError:
+                alive.remove(pod)
+    assert not alive, f"orphaned engines still serving: {alive}"
+    try:
+        httpx.get(url + "/health", timeout=1)
+        raise AssertionError("gateway still serving")
+    except httpx.ConnectError:
+        pass
