@@ -40,14 +40,10 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
         scaled = logits / torch.where(greedy, 1.0, temps).unsqueeze(1)
         scaled = _filter(scaled, reqs)
         probs = torch.softmax(scaled, dim=-1)
-        q = torch.empty_like(probs)
-        for i, r in enumerate(reqs):
-            if r.params.greedy:
-                q[i].fill_(1.0)
-            elif r.generator is not None:
+        q = torch.empty_like(probs).exponential_()  # one launch for all unseeded rows
+        for i, r in enumerate(reqs):  # seeded rows draw from their own generator
+            if r.generator is not None and not r.params.greedy:
                 q[i] = torch.empty(vocab, device=device).exponential_(generator=r.generator)
-            else:
-                q[i].exponential_()
         tokens = torch.where(greedy, tokens, (probs / q).argmax(dim=-1))
 
     token_list = tokens.tolist()
