@@ -10,6 +10,22 @@ import httpx
 from engine_server import free_port
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 120) -> None:
+    """Until the stack's gateway answers /health with 200 (the stack must stay alive)."""
+    deadline = time.time() + timeout
+    while True:
+        if proc.poll() is not None:
+            out = proc.stdout.read().decode() if proc.stdout else ""
+            raise AssertionError(f"sluice up exited: {out[-3000:]}")
+        assert time.time() < deadline, "sluice up did not become healthy"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+
+
 def test_up_serves_prefixes_logs_and_stops_everything(tiny_chat_model):
     port = free_port()
     proc = subprocess.Popen(
@@ -20,16 +36,7 @@ def test_up_serves_prefixes_logs_and_stops_everything(tiny_chat_model):
                                                                    PYTHONUNBUFFERED="1"))
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-            assert time.time() < deadline
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
+        wait_healthy(proc, url)
         pods = list(httpx.get(url + "/health").json()["pods"])
         assert len(pods) == 2
         r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
@@ -59,15 +66,7 @@ def test_killed_stack_leaves_no_engine(tiny_chat_model):
          "--engine-args", "--num-kv-blocks 64 --max-model-len 512"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        assert proc.poll() is None and time.time() < deadline
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
+    wait_healthy(proc, url)
     pods = list(httpx.get(url + "/health").json()["pods"])
     proc.kill()
     proc.wait()
