@@ -194,3 +194,32 @@ def test_overload_answers_429(tiny_chat_model):
         assert set(codes) <= {200, 429}
     finally:
         proc.stop()
+
+
+def test_generation_config_defaults(tiny_chat_model, tmp_path):
+    """Fields a request leaves out take generation_config.json's values (vLLM's default)."""
+    import json
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_chat_model, folder)
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"do_sample": False, "max_new_tokens": 5, "eos_token_id": 2}))
+    proc = EngineProcess("--model", str(folder), "--served-model-name", MODEL,
+                         "--num-kv-blocks", "64", "--max-model-len", "512").wait_ready()
+    plain = EngineProcess("--model", str(folder), "--served-model-name", MODEL,
+                          "--num-kv-blocks", "64", "--max-model-len", "512",
+                          "--generation-config", "vllm").wait_ready()
+    try:
+        def ask(p, **kw):
+            c = openai.OpenAI(base_url=p.url + "/v1", api_key="unused", max_retries=0)
+            return c.completions.create(model=MODEL, prompt="Hello", seed=None,
+                                        extra_body={"ignore_eos": True}, **kw)
+        a, b = ask(proc), ask(proc)
+        assert a.usage.completion_tokens == 5  # max_new_tokens
+        assert a.choices[0].text == b.choices[0].text  # do_sample false: greedy
+        assert ask(proc, max_tokens=7).usage.completion_tokens == 7  # the request wins
+        assert ask(plain).usage.completion_tokens > 5  # vllm: no model defaults
+    finally:
+        proc.stop()
+        plain.stop()

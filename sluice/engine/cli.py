@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ZMQ ROUTER endpoint for event replay, e.g. tcp://*:5558")
     p.add_argument("--kv-events-topic", default=None,
                    help="topic (default kv@<host>:<port>@<served-model-name>)")
+    p.add_argument("--generation-config", default="auto",
+                   help="default sampling parameters: 'auto' (the model folder's "
+                        "generation_config.json), 'vllm' (none), or a folder")
     p.add_argument("--num-threads", type=int, default=None,
                    help="CPU threads for torch (default: all cores; use 1 per engine when "
                         "several engines share a machine: oversubscribed threads stall)")
@@ -88,6 +91,7 @@ def main(args: argparse.Namespace) -> int:
     from sluice.engine.async_engine import AsyncEngine
     from sluice.engine.llm_engine import LLMEngine
     from sluice.engine.server.api import build_app
+    from sluice.engine.server.generation_config import load_sampling_defaults
     from sluice.tokenizer import Tokenizer
 
     logging.basicConfig(level=args.log_level.upper(),
@@ -98,6 +102,9 @@ def main(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.num_threads)
+    defaults = load_sampling_defaults(args.generation_config, config.model)
+    if defaults:
+        log.info("default sampling parameters from generation_config.json: %s", defaults)
     tok_path = args.tokenizer or (None if args.load_format == "dummy" else config.model)
     tokenizer = Tokenizer.from_path(tok_path) if tok_path else None
     publisher = None
@@ -112,7 +119,7 @@ def main(args: argparse.Namespace) -> int:
     llm = LLMEngine(config, tokenizer, record_kv_events=publisher is not None)
     on_step = (lambda: publisher.publish(llm.kv.take_events())) if publisher else None
     engine = AsyncEngine(llm, on_step=on_step)
-    app = build_app(engine, tokenizer, config.served_model_name)
+    app = build_app(engine, tokenizer, config.served_model_name, defaults)
     log.info("serving %s on http://%s:%d", config.served_model_name, args.host, args.port)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),

@@ -24,7 +24,9 @@ from sluice.engine.server.errors import error_response
 from sluice.engine.server.protocol import ChatCompletionRequest, CompletionRequest
 
 
-def build_app(engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI:
+def build_app(engine: AsyncEngine, tokenizer, model_name: str,
+              sampling_defaults: dict | None = None) -> FastAPI:
+    """`sampling_defaults`: per-model defaults for fields a request leaves out."""
     app = FastAPI(title="Sluice engine")
     llm = engine.engine
     max_model_len = llm.max_model_len
@@ -97,7 +99,7 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI:
             for i in range(len(prompts) * body.n):
                 ids = prompts[i // body.n]
                 params = body.sampling_params(default_max_tokens(len(ids)), n_logprobs,
-                                              i % body.n)
+                                              i % body.n, sampling_defaults)
                 gen = engine.generate(f"{rid}-{i}", ids, params, body.cache_salt)
                 streams.append(_prime(gen))
                 await streams[-1].__anext__()  # surfaces validation / overload errors now

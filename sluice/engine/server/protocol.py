@@ -39,19 +39,30 @@ class _SamplingFields(BaseModel):
     cache_salt: str | None = None
 
     def sampling_params(self, default_max_tokens: int, logprobs: int | None,
-                        sample_index: int = 0) -> SamplingParams:
-        """Engine parameters for the sample_index-th of the n choices (seed + index)."""
+                        sample_index: int = 0, defaults: dict | None = None) -> SamplingParams:
+        """Engine parameters for the sample_index-th of the n choices (seed + index).
+
+        A field the request leaves out takes the model's default from `defaults`
+        (generation_config.json, as vLLM's `--generation-config auto`), else OpenAI's.
+        """
+        d = defaults or {}
+
+        def pick(value, name, fallback):
+            return value if value is not None else d.get(name, fallback)
+
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        max_tokens = self._max_tokens() or min(d.get("max_tokens", default_max_tokens),
+                                               default_max_tokens)
         return SamplingParams(
-            max_tokens=self._max_tokens() or default_max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
+            max_tokens=max_tokens,
+            temperature=pick(self.temperature, "temperature", 1.0),
+            top_p=pick(self.top_p, "top_p", 1.0),
+            top_k=pick(self.top_k, "top_k", 0) or 0,
+            min_p=pick(self.min_p, "min_p", 0.0),
             seed=None if self.seed is None else self.seed + sample_index,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=self.repetition_penalty or 1.0,
+            repetition_penalty=pick(self.repetition_penalty, "repetition_penalty", 1.0),
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
