@@ -79,3 +79,24 @@ def test_crashed_loop_fails_streams_and_new_requests():
 
     asyncio.run(asyncio.wait_for(run(), timeout=30))
     assert engine.error is not None
+
+
+def test_reset_prefix_cache_clears_hashes_and_publishes():
+    llm = LLMEngine(EngineConfig(model="tiny-llama", served_model_name="t", load_format="dummy",
+                                 cache=CacheConfig(num_blocks=128, block_size=4)),
+                    record_kv_events=True)
+    published = []
+    engine = AsyncEngine(llm, on_step=lambda: published.extend(llm.kv.take_events()))
+
+    async def run():
+        async for _ in engine.generate("a", list(range(1, 20)),
+                                       SamplingParams(max_tokens=2, temperature=0)):
+            pass
+        assert llm.kv.cached, "the prompt's full blocks are cached"
+        assert await engine.reset_prefix_cache() is True
+
+    asyncio.run(run())
+    assert not llm.kv.cached
+    assert type(published[-1]).__name__ == "AllBlocksCleared"
+    llm.kv.check_invariants()
+    engine.shutdown()

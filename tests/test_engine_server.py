@@ -161,6 +161,14 @@ def test_non_streaming_disconnect_aborts(engine):
     assert _running_and_usage(engine) == (0.0, 0.0)
 
 
+def test_reset_prefix_cache_endpoint(engine, client):
+    client.completions.create(model=MODEL, prompt="A shared prefix " * 8, max_tokens=1)
+    assert httpx.post(engine.url + "/reset_prefix_cache").status_code == 200
+    before = engine.metric("vllm:prefix_cache_hits_total")
+    client.completions.create(model=MODEL, prompt="A shared prefix " * 8, max_tokens=1)
+    assert engine.metric("vllm:prefix_cache_hits_total") == before, "nothing cached any more"
+
+
 def test_metrics_names(engine):
     text = httpx.get(engine.url + "/metrics").text
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",

@@ -45,10 +45,6 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting)
-
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, cache_salt: str | None = None
                        ) -> AsyncIterator[RequestOutput]:
@@ -87,6 +83,13 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block (AllBlocksCleared); False while requests hold blocks."""
+        done = asyncio.get_running_loop().create_future()
+        self._commands.put(("reset", done))
+        self._wake.set()
+        return await done
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -134,6 +137,12 @@ class AsyncEngine:
                     loop.call_soon_threadsafe(_set_exception, done, exc)
                 else:
                     loop.call_soon_threadsafe(_set_result, done)
+            elif cmd[0] == "reset":
+                done = cmd[1]
+                cleared = self.engine.kv.reset_prefix_cache()
+                if self.on_step is not None:
+                    self.on_step()  # publish AllBlocksCleared now, not after the next step
+                done.get_loop().call_soon_threadsafe(_set_result, done, cleared)
             else:
                 if self.engine.abort_request(cmd[1]) is not None:
                     self._finish_pending()
@@ -153,9 +162,9 @@ class AsyncEngine:
             assert self._num_pending >= 0
 
 
-def _set_result(fut: asyncio.Future) -> None:
+def _set_result(fut: asyncio.Future, value: object = None) -> None:
     if not fut.done():
-        fut.set_result(None)
+        fut.set_result(value)
 
 
 def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -34,4 +34,3 @@ class RequestOutput:
     num_cached_tokens: int
     new_logprobs: list[TokenLogprob] | None = None
     stop_reason: int | str | None = None
-    extra: dict = field(default_factory=dict)

@@ -50,6 +50,13 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str,
             "id": model_name, "object": "model", "created": 0, "owned_by": "sluice",
             "root": llm.config.model, "max_model_len": max_model_len}]}
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """vLLM's endpoint: empty the prefix cache (benchmarks start equal); 409 while busy."""
+        if await engine.reset_prefix_cache():
+            return Response(status_code=200)
+        return error_response("requests are running; the prefix cache was not reset", 409)
+
     @app.get("/metrics")
     async def metrics():
         return Response(generate_latest(llm.metrics.registry), media_type=CONTENT_TYPE_LATEST)

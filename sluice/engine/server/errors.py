@@ -6,7 +6,7 @@ from http import HTTPStatus
 
 from fastapi.responses import JSONResponse
 
-_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError",
+_TYPES = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError", 413: "RequestTooLargeError",
           429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
