@@ -18,6 +18,7 @@ from sluice.engine.outputs import RequestOutput
 from sluice.engine.request import Request
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import Scheduler
+from sluice.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("sluice.engine")
 
@@ -121,7 +122,6 @@ class LLMEngine:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         detok = None
         if self.tokenizer is not None:
-            from sluice.tokenizer import IncrementalDetokenizer
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
         self.requests[request_id] = OutputState(req, detok)
         self.scheduler.add(req)
