@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -27,6 +26,7 @@ from sluice.gateway.discovery import Discovery
 from sluice.gateway.errors import error_response
 from sluice.gateway.event_feed import EventFeeder
 from sluice.gateway.health import HealthTracker
+from sluice.gateway.http_pool import HttpPool
 from sluice.gateway.load import LoadScraper, LoadTable
 from sluice.gateway.local_index import LocalIndex, LocalIndexConfig
 from sluice.gateway.metrics import GatewayMetrics
@@ -83,27 +83,27 @@ class Gateway:
         self.metrics.set_mode(self.index.mode)
         uses_events = cfg.routing.strategy == "kv_aware"
         self.feeder = EventFeeder(self.index) if uses_events else None
-        self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=4096,
-                                                            max_keepalive_connections=512))
+        self.http = HttpPool()
         self.registry = PodRegistry(self.feeder, self.redis, self.loads, self.health,
-                                    self.client, cfg.probe_interval_s)
+                                    self.http, cfg.probe_interval_s)
         self.router = Router(cfg.routing, self.index, LocalIndex(cfg.local_index), self.loads,
                              self.health.is_healthy, lambda p: self.proxy.inflight.get(p, 0),
                              self.registry.block_size_of,
                              lambda p: self.proxy.pending_prefill.get(p, 0))
-        self.proxy = Proxy(cfg.proxy, self.client, self.health, self.metrics,
+        self.proxy = Proxy(cfg.proxy, self.http, self.health, self.metrics,
                            self.registry.url_of)
-        self.scraper = LoadScraper(self.loads, self.redis, self.registry.active,
+        self.scraper = LoadScraper(self.loads, self.redis, self.registry.active, self.http,
                                    cfg.scrape_interval_s)
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
+        await self.http.start()
         if self.feeder is not None:
             self.feeder.start()
         await self.discovery.start(self.registry.update)
         self.scraper.start()
         self._tasks.append(asyncio.get_running_loop().create_task(
-            self.health.probe_loop(self.client, self.registry.url_of)))
+            self.health.probe_loop(self.http, self.registry.url_of)))
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -112,7 +112,7 @@ class Gateway:
         await self.scraper.stop()
         if self.feeder is not None:
             await asyncio.to_thread(self.feeder.stop)
-        await self.client.aclose()
+        await self.http.close()
         if self.redis is not None:
             await self.redis.aio.aclose()
             self.redis.sync.close()

@@ -80,9 +80,6 @@ def main(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # httpx logs every request at INFO: the load scraper alone makes ~7 per second per engine.
-    if args.log_level.lower() != "debug":
-        logging.getLogger("httpx").setLevel(logging.WARNING)
     app = build(args)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                 access_log=False)

@@ -8,7 +8,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-import httpx
+from sluice.gateway.http_pool import HTTP_ERRORS, HttpPool
 
 log = logging.getLogger("sluice.gateway.health")
 
@@ -41,8 +41,7 @@ class HealthTracker:
         self._failures.pop(pod, None)
         self._unhealthy.discard(pod)
 
-    async def probe_loop(self, client: httpx.AsyncClient, url_of: Callable[[str], str | None]
-                         ) -> None:
+    async def probe_loop(self, http: HttpPool, url_of: Callable[[str], str | None]) -> None:
         while True:
             await asyncio.sleep(self.probe_interval_s)
             for pod in list(self._unhealthy):
@@ -51,8 +50,8 @@ class HealthTracker:
                     self.forget(pod)
                     continue
                 try:
-                    ok = (await client.get(url + "/health", timeout=1.0)).status_code == 200
-                except httpx.HTTPError:
+                    ok = (await http.get(url + "/health", 1.0))[0] == 200
+                except HTTP_ERRORS:
                     ok = False
                 if ok:
                     self.forget(pod)

@@ -16,8 +16,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 from redis.exceptions import RedisError
+
+from sluice.gateway.http_pool import HTTP_ERRORS, HttpPool
 
 log = logging.getLogger("sluice.gateway.load")
 
@@ -96,7 +97,7 @@ class LoadTable:
 
 
 class LoadScraper:
-    def __init__(self, table: LoadTable, redis_index: Any | None, pods: Any,
+    def __init__(self, table: LoadTable, redis_index: Any | None, pods: Any, http: HttpPool,
                  interval_s: float = 0.15, timeout_s: float = 0.5) -> None:
         """`pods()` returns {pod id: base URL} to scrape right now."""
         self.table = table
@@ -104,17 +105,17 @@ class LoadScraper:
         self.pods = pods
         self.interval_s = interval_s
         self.timeout_s = timeout_s
+        self.http = http
         self._task: asyncio.Task | None = None
-        self._client: httpx.AsyncClient | None = None
 
     async def _one(self, pod: str, url: str) -> tuple[str, EngineMetrics] | None:
-        assert self._client is not None
         try:
-            resp = await self._client.get(url.rstrip("/") + "/metrics")
-            resp.raise_for_status()
-        except httpx.HTTPError:
+            status, body = await self.http.get(url.rstrip("/") + "/metrics", self.timeout_s)
+        except HTTP_ERRORS:
             return None
-        return pod, parse_engine_metrics(resp.text)
+        if status != 200:
+            return None
+        return pod, parse_engine_metrics(body.decode(errors="replace"))
 
     async def scrape_once(self) -> int:
         targets = dict(self.pods())
@@ -143,7 +144,6 @@ class LoadScraper:
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
 
     def start(self) -> None:
-        self._client = httpx.AsyncClient(timeout=self.timeout_s)
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
@@ -153,5 +153,3 @@ class LoadScraper:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        if self._client is not None:
-            await self._client.aclose()

@@ -15,17 +15,19 @@ Failure handling:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 from fastapi.responses import Response, StreamingResponse
 
 from sluice.gateway.errors import error_response, sse_error
 from sluice.gateway.health import HealthTracker
+from sluice.gateway.http_pool import HTTP_ERRORS, HttpPool
 from sluice.gateway.metrics import GatewayMetrics
 from sluice.gateway.routing.router import Decision
 
@@ -45,18 +47,18 @@ class ProxyConfig:
 
 
 class Proxy:
-    def __init__(self, cfg: ProxyConfig, client: httpx.AsyncClient, health: HealthTracker,
+    def __init__(self, cfg: ProxyConfig, http: HttpPool, health: HealthTracker,
                  metrics: GatewayMetrics, url_of: Callable[[str], str | None]) -> None:
         self.cfg = cfg
-        self.client = client
+        self.http = http
         self.health = health
         self.metrics = metrics
         self.url_of = url_of
         self.inflight: dict[str, int] = {}
         # uncached prompt blocks sent to each pod whose first token is not back yet
         self.pending_prefill: dict[str, int] = {}
-        self.timeout = httpx.Timeout(connect=cfg.connect_timeout_s, read=cfg.read_timeout_s,
-                                     write=cfg.read_timeout_s, pool=cfg.connect_timeout_s)
+        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s,
+                                             sock_read=cfg.read_timeout_s)
 
     async def forward(self, path: str, body: bytes, headers: dict[str, str],
                       route: RouteFn) -> Response:
@@ -79,31 +81,34 @@ class Proxy:
             self._owe(pod, owed)
             started = time.perf_counter()
             try:
-                req = self.client.build_request("POST", url + path, content=body,
-                                                headers=headers, timeout=self.timeout)
-                resp = await self.client.send(req, stream=True)
-            except httpx.TimeoutException as err:
+                resp = await self.http.session.post(url + path, data=body, headers=headers,
+                                                    timeout=self.timeout)
+            except aiohttp.ConnectionTimeoutError:
                 self._done(pod, owed)
-                if isinstance(err, httpx.ConnectTimeout):
-                    self._failed(pod, "connect_timeout")
-                    last_error = f"engine {pod} did not accept the connection"
-                    continue
+                self._failed(pod, "connect_timeout")
+                last_error = f"engine {pod} did not accept the connection"
+                continue
+            except asyncio.TimeoutError:
+                self._done(pod, owed)
                 self.metrics.errors.labels("upstream_timeout").inc()
                 return error_response(504, f"engine {pod} did not answer in time", "timeout")
-            except httpx.HTTPError as err:
+            except aiohttp.ClientError as err:
                 self._done(pod, owed)
                 self._failed(pod, "connect")
                 last_error = f"engine {pod} unreachable: {type(err).__name__}"
                 continue
-            if resp.status_code >= 500 or resp.status_code == 429:
-                text = (await resp.aread())[:500].decode(errors="replace")
-                await resp.aclose()
+            if resp.status >= 500 or resp.status == 429:
+                try:
+                    text = (await resp.content.read(500)).decode(errors="replace")
+                except HTTP_ERRORS:
+                    text = ""
+                resp.close()
                 self._done(pod, owed)
-                if resp.status_code == 429:
+                if resp.status == 429:
                     self.metrics.errors.labels("upstream_429").inc()
                 else:
                     self._failed(pod, "upstream_5xx")
-                last_error = f"engine {pod} answered {resp.status_code}: {text}"
+                last_error = f"engine {pod} answered {resp.status}: {text}"
                 continue
             self.health.success(pod)
             self.metrics.ttfb.labels(pod).observe(time.perf_counter() - started)
@@ -135,10 +140,10 @@ class Proxy:
         self.metrics.errors.labels(kind).inc()
         self.health.failure(pod)
 
-    def _stream(self, resp: httpx.Response, d: Decision, started: float,
+    def _stream(self, resp: aiohttp.ClientResponse, d: Decision, started: float,
                 owed: int) -> StreamingResponse:
         sse = resp.headers.get("content-type", "").startswith("text/event-stream")
-        state = {"pending": owed, "closed": False}
+        state = {"pending": owed, "closed": False, "eof": False}
 
         async def close() -> None:
             """Idempotent: from the body's end, or from the response if the body
@@ -146,18 +151,22 @@ class Proxy:
             if state["closed"]:
                 return
             state["closed"] = True
-            await resp.aclose()
+            if state["eof"]:
+                resp.release()  # the connection goes back to the pool
+            else:
+                resp.close()    # the engine sees the disconnect and aborts
             self._done(d.pod, state["pending"])
             self.metrics.upstream.labels(d.pod).observe(time.perf_counter() - started)
 
         async def body() -> AsyncIterator[bytes]:
             try:
-                async for chunk in resp.aiter_raw():
+                async for chunk in resp.content.iter_any():
                     if state["pending"]:  # first body bytes: the prefill is over
                         self._paid(d.pod, state["pending"])
                         state["pending"] = 0
                     yield chunk
-            except httpx.HTTPError as err:
+                state["eof"] = True
+            except HTTP_ERRORS as err:
                 self.metrics.errors.labels("mid_stream").inc()
                 self.health.failure(d.pod)
                 log.warning("engine %s failed mid-stream: %s", d.pod, type(err).__name__)
@@ -173,7 +182,7 @@ class Proxy:
         for name in ("content-encoding", "x-request-id"):
             if name in resp.headers:
                 headers[name] = resp.headers[name]
-        return _UpstreamResponse(close, body(), status_code=resp.status_code, headers=headers,
+        return _UpstreamResponse(close, body(), status_code=resp.status, headers=headers,
                                  media_type=resp.headers.get("content-type"))
 
 

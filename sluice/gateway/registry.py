@@ -7,14 +7,15 @@ each `probe_interval_s` while the endpoint exists)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Any
 
-import httpx
 
 from sluice.gateway.discovery import Endpoint
 from sluice.gateway.event_feed import EventFeeder, EventSource
 from sluice.gateway.health import HealthTracker
+from sluice.gateway.http_pool import HTTP_ERRORS, HttpPool
 from sluice.gateway.load import LoadTable
 
 log = logging.getLogger("sluice.gateway.registry")
@@ -22,13 +23,13 @@ log = logging.getLogger("sluice.gateway.registry")
 
 class PodRegistry:
     def __init__(self, feeder: EventFeeder | None, redis_index: Any, loads: LoadTable,
-                 health: HealthTracker, client: httpx.AsyncClient,
+                 health: HealthTracker, http: HttpPool,
                  probe_interval_s: float = 1.0) -> None:
         self.feeder = feeder
         self.redis = redis_index
         self.loads = loads
         self.health = health
-        self.client = client
+        self.http = http
         self.probe_interval_s = probe_interval_s
         self._endpoints: dict[str, Endpoint] = {}   # every discovered pod
         self._models: dict[str, list[str]] = {}     # pod -> its served models (active pods)
@@ -95,12 +96,12 @@ class PodRegistry:
     async def _learn_models(self, ep: Endpoint) -> None:
         while True:
             try:
-                resp = await self.client.get(ep.url + "/v1/models", timeout=2.0)
-                ids = [m["id"] for m in resp.json().get("data", [])]
-                if resp.status_code == 200 and ids:
+                status, body = await self.http.get(ep.url + "/v1/models", 2.0)
+                ids = [m["id"] for m in json.loads(body).get("data", [])]
+                if status == 200 and ids:
                     self._pending.pop(ep.pod, None)
                     self._activate(ep, ids)
                     return
-            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            except (*HTTP_ERRORS, ValueError, KeyError, TypeError, AttributeError):
                 pass
             await asyncio.sleep(self.probe_interval_s)
