@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from test_gateway_stack import ThreadServer as Server
 
-from sluice.gateway.app import Gateway, GatewayConfig, create_app
+from sluice.gateway.app import GATEWAY, Gateway, GatewayConfig, create_app
 from sluice.gateway.discovery import Endpoint, StaticDiscovery
 from sluice.gateway.proxy import ProxyConfig
 from sluice.gateway.routing.config import RoutingConfig
@@ -184,7 +184,7 @@ def test_pending_prefill_and_inflight_are_released():
     st = {}
     with Server(fake_engine("ok", st)) as up:
         app = gateway_app([(up, "m")], strategy="kv_aware")
-        gw = app.state.gateway
+        gw = app[GATEWAY]
         with Server(app) as server:
             with httpx.stream("POST", server.url + "/v1/completions", json={
                     "model": "m", "prompt": list(range(64)), "stream": True}) as r:

@@ -1,36 +1,63 @@
-"""Test helpers (no tests here): a gateway app served by uvicorn in a thread; engines with KV
-events. Named test_gateway_* to stay within the gateway test files."""
+"""Test helpers (no tests here): an app (the gateway's aiohttp app, or a FastAPI fake engine)
+served in a thread; engines with KV events. Named test_gateway_* to stay within the gateway
+test files."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
 import uvicorn
+from aiohttp import web
 from engine_server import EngineProcess, free_port
 
 
 class ThreadServer:
-    """uvicorn on a free loopback port, in a thread (for in-process gateways)."""
+    """An app on a free loopback port, in a thread: aiohttp apps as `sluice gateway`
+    serves them (handler cancellation on), anything else (ASGI) with uvicorn."""
 
     def __init__(self, app) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="error", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.aiohttp = isinstance(app, web.Application)
+        if self.aiohttp:
+            self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+            self.loop = asyncio.new_event_loop()
+            self.started = threading.Event()
+            self.thread = threading.Thread(target=self._run_aiohttp, daemon=True)
+        else:
+            self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
+                                                        log_level="error", lifespan="on"))
+            self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def _run_aiohttp(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", self.port)
+        self.loop.run_until_complete(site.start())
+        self.started.set()
+        self.loop.run_forever()
+        self.loop.run_until_complete(self.runner.cleanup())
+        self.loop.close()
+
+    def _is_started(self) -> bool:
+        return self.started.is_set() if self.aiohttp else self.server.started
 
     def __enter__(self) -> ThreadServer:
         self.thread.start()
         deadline = time.time() + 20
-        while not self.server.started:
+        while not self._is_started():
             if time.time() > deadline or not self.thread.is_alive():
                 raise RuntimeError("server did not start")
             time.sleep(0.02)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
+        if self.aiohttp:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        else:
+            self.server.should_exit = True
         self.thread.join(15)
 
 

@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build(args: argparse.Namespace):
-    """The FastAPI app for these arguments (also used by `sluice up`)."""
+    """The aiohttp app for these arguments."""
     from sluice.gateway.app import Gateway, GatewayConfig, create_app
     from sluice.gateway.discovery import StaticDiscovery, parse_engine_spec
     from sluice.gateway.prompt import PromptTokenizer
@@ -76,11 +76,10 @@ def build(args: argparse.Namespace):
 
 
 def main(args: argparse.Namespace) -> int:
-    import uvicorn
+    from sluice.gateway.app import serve
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = build(args)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                access_log=False)
+    serve(app, args.host, args.port)
     return 0

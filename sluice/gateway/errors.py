@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from fastapi.responses import JSONResponse
+from aiohttp import web
 
 _TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
           413: "invalid_request_error", 429: "rate_limit_error", 502: "api_error",
@@ -18,9 +18,9 @@ def error_body(status: int, message: str, code: str | None = None,
 
 
 def error_response(status: int, message: str, code: str | None = None,
-                   param: str | None = None, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, code, param), status_code=status,
-                        headers=headers)
+                   param: str | None = None, headers: dict | None = None) -> web.Response:
+    return web.json_response(error_body(status, message, code, param), status=status,
+                             headers=headers)
 
 
 def sse_error(status: int, message: str, code: str | None = None) -> bytes:

@@ -1,4 +1,8 @@
-"""Forward one request to an engine and stream its answer back, chunk by chunk.
+"""Forward one request to an engine and relay its answer to the client.
+
+An answer with a known length that is not an event stream (a non-streaming
+completion) is read whole and sent in one write; anything else (SSE) is relayed
+chunk by chunk as it arrives, never buffered.
 
 Failure handling:
 - connect error, 5xx or 429 before the first byte: the pod is skipped and the
@@ -7,10 +11,11 @@ Failure handling:
 - read timeout before the first byte: 504, not retried (the engine may still
   be working on it);
 - no pod left: 503;
-- the pod dies mid-stream: an SSE response gets an OpenAI-shaped error event
-  and ends; a plain body just ends (its status is already sent);
-- client disconnect: Starlette cancels the body iterator, whose `finally`
-  closes the upstream response, so the engine sees the disconnect and aborts.
+- the pod dies while its answer is read: a buffered answer becomes a 502; a
+  relayed SSE stream gets an OpenAI-shaped error event and ends;
+- client disconnect: the server cancels the handler (or the next write fails),
+  and the upstream connection is closed, not pooled, so the engine sees the
+  disconnect and aborts the request.
 """
 
 from __future__ import annotations
@@ -18,12 +23,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
 import aiohttp
-from fastapi.responses import Response, StreamingResponse
+from aiohttp import web
 
 from sluice.gateway.errors import error_response, sse_error
 from sluice.gateway.health import HealthTracker
@@ -60,8 +64,8 @@ class Proxy:
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s,
                                              sock_read=cfg.read_timeout_s)
 
-    async def forward(self, path: str, body: bytes, headers: dict[str, str],
-                      route: RouteFn) -> Response:
+    async def forward(self, request: web.Request, path: str, body: bytes,
+                      headers: dict[str, str], route: RouteFn) -> web.StreamResponse:
         tried: set[str] = set()
         last_error = "no healthy engine for this model"
         for attempt in range(self.cfg.max_retries + 1):
@@ -97,13 +101,17 @@ class Proxy:
                 self._failed(pod, "connect")
                 last_error = f"engine {pod} unreachable: {type(err).__name__}"
                 continue
+            except asyncio.CancelledError:  # the client left before the answer began
+                self._done(pod, owed)
+                raise
             if resp.status >= 500 or resp.status == 429:
                 try:
                     text = (await resp.content.read(500)).decode(errors="replace")
                 except HTTP_ERRORS:
                     text = ""
-                resp.close()
-                self._done(pod, owed)
+                finally:
+                    resp.close()
+                    self._done(pod, owed)
                 if resp.status == 429:
                     self.metrics.errors.labels("upstream_429").inc()
                 else:
@@ -112,7 +120,7 @@ class Proxy:
                 continue
             self.health.success(pod)
             self.metrics.ttfb.labels(pod).observe(time.perf_counter() - started)
-            return self._stream(resp, decision, started, owed)
+            return await self._relay(request, resp, decision, started, owed)
         self.metrics.errors.labels("no_pod").inc()
         return error_response(503, last_error, "service_unavailable",
                               headers={"retry-after": "1"})
@@ -140,63 +148,59 @@ class Proxy:
         self.metrics.errors.labels(kind).inc()
         self.health.failure(pod)
 
-    def _stream(self, resp: aiohttp.ClientResponse, d: Decision, started: float,
-                owed: int) -> StreamingResponse:
-        sse = resp.headers.get("content-type", "").startswith("text/event-stream")
-        state = {"pending": owed, "closed": False, "eof": False}
-
-        async def close() -> None:
-            """Idempotent: from the body's end, or from the response if the body
-            never started (client gone before the first chunk)."""
-            if state["closed"]:
-                return
-            state["closed"] = True
-            if state["eof"]:
-                resp.release()  # the connection goes back to the pool
-            else:
-                resp.close()    # the engine sees the disconnect and aborts
-            self._done(d.pod, state["pending"])
-            self.metrics.upstream.labels(d.pod).observe(time.perf_counter() - started)
-
-        async def body() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in resp.content.iter_any():
-                    if state["pending"]:  # first body bytes: the prefill is over
-                        self._paid(d.pod, state["pending"])
-                        state["pending"] = 0
-                    yield chunk
-                state["eof"] = True
-            except HTTP_ERRORS as err:
-                self.metrics.errors.labels("mid_stream").inc()
-                self.health.failure(d.pod)
-                log.warning("engine %s failed mid-stream: %s", d.pod, type(err).__name__)
-                if sse:
-                    yield sse_error(502, f"engine {d.pod} failed mid-stream: "
-                                         f"{type(err).__name__}", "upstream_error")
-            finally:
-                await close()
-
+    async def _relay(self, request: web.Request, resp: aiohttp.ClientResponse, d: Decision,
+                     started: float, owed: int) -> web.StreamResponse:
         headers = {"x-sluice-pod": d.pod, "x-sluice-prefix-hit-blocks": str(d.hit_blocks),
                    "x-sluice-prompt-blocks": str(d.total_blocks),
                    "x-sluice-strategy": d.strategy, "x-sluice-index": d.index_mode}
-        for name in ("content-encoding", "x-request-id"):
+        for name in ("content-type", "content-encoding", "x-request-id"):
             if name in resp.headers:
                 headers[name] = resp.headers[name]
-        return _UpstreamResponse(close, body(), status_code=resp.status, headers=headers,
-                                 media_type=resp.headers.get("content-type"))
-
-
-class _UpstreamResponse(StreamingResponse):
-    """A StreamingResponse that always releases its upstream, even when the ASGI
-    server cancels it before the body iterator ever ran (its `finally` would not)."""
-
-    def __init__(self, on_close: Callable[[], Awaitable[None]], *args: Any,
-                 **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._on_close = on_close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+        eof = False
         try:
-            await super().__call__(scope, receive, send)
+            if not sse and resp.content_length is not None:
+                try:
+                    data = await resp.read()
+                except HTTP_ERRORS as err:
+                    self._failed_mid_stream(d.pod, err)
+                    return error_response(502, f"engine {d.pod} failed while answering: "
+                                               f"{type(err).__name__}", "upstream_error")
+                eof = True
+                self._paid(d.pod, owed)
+                owed = 0
+                return web.Response(body=data, status=resp.status, headers=headers)
+            out = web.StreamResponse(status=resp.status, headers=headers)
+            await out.prepare(request)
+            while True:
+                try:
+                    chunk = await resp.content.readany()
+                except HTTP_ERRORS as err:
+                    self._failed_mid_stream(d.pod, err)
+                    if sse:
+                        await out.write(sse_error(502, f"engine {d.pod} failed mid-stream: "
+                                                       f"{type(err).__name__}", "upstream_error"))
+                    break
+                if not chunk:
+                    eof = True
+                    await out.write_eof()
+                    break
+                if owed:  # first body bytes: the prefill is over
+                    self._paid(d.pod, owed)
+                    owed = 0
+                await out.write(chunk)
+            return out
+        except ConnectionError:  # the client left while we wrote to it
+            return out
         finally:
-            await self._on_close()
+            if eof:
+                resp.release()  # the connection goes back to the pool
+            else:
+                resp.close()    # the engine sees the disconnect and aborts
+            self._done(d.pod, owed)
+            self.metrics.upstream.labels(d.pod).observe(time.perf_counter() - started)
+
+    def _failed_mid_stream(self, pod: str, err: BaseException) -> None:
+        self.metrics.errors.labels("mid_stream").inc()
+        self.health.failure(pod)
+        log.warning("engine %s failed mid-stream: %s", pod, type(err).__name__)
