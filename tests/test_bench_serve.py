@@ -59,3 +59,20 @@ def test_compare_on_local_stack(tiny_chat_model, tmp_path):
     ideal = kv["ideal_hit_rate"]
     assert kv["hit_rate"] >= 0.9 * ideal and kv["hit_rate"] > rr["hit_rate"]
     assert (tmp_path / "r.png").stat().st_size > 10_000
+
+
+def test_overhead_benchmark_runs_end_to_end():
+    """`python -m sluice.bench.serve_overhead` at a small scale: real processes, every
+    request answered both ways, and the report's figures consistent."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "sluice.bench.serve_overhead", "--rate", "40",
+                          "--requests", "60"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout[out.stdout.index("{"):])
+    assert report["direct_failed"] == 0 and report["gateway_failed"] == 0
+    for q in (50, 90, 99):
+        assert report[f"overhead_ms_p{q}"] == report[f"gateway_ms_p{q}"] - report[
+            f"direct_ms_p{q}"]
+        assert report[f"gateway_ms_p{q}"] > 0

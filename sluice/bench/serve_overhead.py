@@ -5,9 +5,10 @@
 Starts an instant OpenAI-shaped upstream (answers every completion at once,
 so only the HTTP path is measured), a redis-server and a `sluice gateway`
 (kv_aware, with the default model's tokenizer) in separate processes, then
-sends the same Poisson stream of small completions (a ~200-token prompt) once
-directly to the upstream and once through the gateway, and reports latency
-percentiles of both and their difference.
+sends the same Poisson stream of small completions (a different ~200-token
+prompt each, so no tokenization is reused) once directly to the upstream and
+once through the gateway, and reports latency percentiles of both and their
+difference.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def fake_upstream(port: int) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="error", access_log=False)
 
 
-async def drive(url: str, prompt: str, rate: float, n: int, seed: int
+async def drive(url: str, prompts: list[str], rate: float, seed: int
                 ) -> tuple[np.ndarray, int, float]:
     """(latencies in ms of successful requests, failures, achieved rate).
 
@@ -66,15 +67,16 @@ async def drive(url: str, prompt: str, rate: float, n: int, seed: int
     the loop's own delays do not lower the rate); aiohttp keeps the client's
     own cost per request small on a machine it shares with what it measures."""
     rng = random.Random(seed)
-    gaps = [rng.expovariate(rate) for _ in range(n)]
+    gaps = [rng.expovariate(rate) for _ in prompts]
+    bodies = [json.dumps({"model": "m", "prompt": p, "max_tokens": 1}).encode()
+              for p in prompts]
     lat: list[float] = []
     failed = 0
-    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 1}).encode()
     headers = {"content-type": "application/json"}
     connector = aiohttp.TCPConnector(limit=256)
     async with aiohttp.ClientSession(connector=connector) as session:
 
-        async def one() -> None:
+        async def one(body: bytes) -> None:
             nonlocal failed
             t = time.perf_counter()
             try:
@@ -92,12 +94,12 @@ async def drive(url: str, prompt: str, rate: float, n: int, seed: int
         start = time.perf_counter()
         due = start
         tasks = []
-        for gap in gaps:
-            tasks.append(asyncio.create_task(one()))
+        for gap, body in zip(gaps, bodies):
+            tasks.append(asyncio.create_task(one(body)))
             due += gap
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
         await asyncio.gather(*tasks)
-    return np.asarray(lat) * 1000, failed, n / (time.perf_counter() - start)
+    return np.asarray(lat) * 1000, failed, len(prompts) / (time.perf_counter() - start)
 
 
 def _wait(url: str, timeout: float = 120) -> None:
@@ -143,10 +145,11 @@ def main() -> int:
             "--redis-url", f"redis://127.0.0.1:{redis_port}/0", "--tokenizer",
             resolve_model("default"), "--log-level", "warning"]))
         _wait(gw + "/health")
-        prompt = TextMaker(random.Random(0)).text(200)
-        asyncio.run(drive(gw, prompt, 50, 100, 1))  # warm-up
-        direct = asyncio.run(drive(up, prompt, args.rate, args.requests, 0))
-        via = asyncio.run(drive(gw, prompt, args.rate, args.requests, 0))
+        maker = TextMaker(random.Random(0))
+        prompts = [maker.text(200) for _ in range(args.requests)]
+        asyncio.run(drive(gw, [maker.text(200) for _ in range(100)], 50, 1))  # warm-up
+        direct = asyncio.run(drive(up, prompts, args.rate, 0))
+        via = asyncio.run(drive(gw, prompts, args.rate, 0))
     finally:
         for proc in reversed(procs):
             proc.terminate()

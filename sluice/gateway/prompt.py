@@ -1,14 +1,16 @@
 """Token ids of a request's prompt, exactly as the engine computes them.
 
 Chat: the model's chat template rendered and encoded without special tokens
-(`Tokenizer.encode_chat`, shared with the engine); completions: `encode(prompt)`
-with special tokens, or the token ids given. No tokenizer for a model: None
-(routing then has no prefix information for it)."""
+(what `Tokenizer.encode_chat`, shared with the engine, does), long segments such
+as a shared system prompt taken from a `SegmentEncoder` cache; completions:
+`encode(prompt)` with special tokens, or the token ids given. No tokenizer for
+a model: None (routing then has no prefix information for it)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from sluice.gateway.segment_encoder import SegmentEncoder
 from sluice.tokenizer import Tokenizer
 
 
@@ -16,6 +18,8 @@ class PromptTokenizer:
     def __init__(self, by_model: dict[str, Tokenizer], default: Tokenizer | None = None) -> None:
         self.by_model = dict(by_model)
         self.default = default
+        self._encoders = {id(t): SegmentEncoder(t) for t in [*self.by_model.values(), default]
+                          if t is not None}
 
     @classmethod
     def from_paths(cls, specs: list[str]) -> PromptTokenizer:
@@ -35,9 +39,10 @@ class PromptTokenizer:
             if tok is None:
                 return None
             kwargs = dict(body.get("chat_template_kwargs") or {})
-            return tok.encode_chat(body["messages"],
-                                   add_generation_prompt=body.get("add_generation_prompt", True),
-                                   tools=body.get("tools"), **kwargs)
+            text = tok.apply_chat_template(
+                body["messages"], add_generation_prompt=body.get("add_generation_prompt", True),
+                tools=body.get("tools"), **kwargs)
+            return self._encoders[id(tok)].encode(text)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch: route on its first prompt
