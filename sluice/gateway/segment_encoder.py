@@ -24,6 +24,7 @@ False): every call is a plain encode.
 from __future__ import annotations
 
 import re
+from array import array
 from collections import OrderedDict
 
 from sluice.tokenizer import Tokenizer
@@ -31,12 +32,13 @@ from sluice.tokenizer import Tokenizer
 
 class SegmentEncoder:
     def __init__(self, tokenizer: Tokenizer, min_chars: int = 256,
-                 max_cached_tokens: int = 4_000_000) -> None:
+                 max_cached_tokens: int = 2_000_000) -> None:
+        """The cache holds at most `max_cached_tokens` ids (4 bytes each)."""
         assert min_chars > 0 and max_cached_tokens > 0
         self.tokenizer = tokenizer
         self.min_chars = min_chars
         self.max_cached_tokens = max_cached_tokens
-        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._cache: OrderedDict[str, array] = OrderedDict()
         self._cached_tokens = 0
         self.hits = 0
         self.misses = 0
@@ -81,14 +83,14 @@ class SegmentEncoder:
             start = m.end()
         yield start, len(text)
 
-    def _cached(self, segment: str) -> list[int]:
+    def _cached(self, segment: str) -> array:
         hit = self._cache.get(segment)
         if hit is not None:
             self._cache.move_to_end(segment)
             self.hits += 1
             return hit
         self.misses += 1
-        seg_ids = self.tokenizer.encode(segment, add_special_tokens=False)
+        seg_ids = array("i", self.tokenizer.encode(segment, add_special_tokens=False))
         self._cache[segment] = seg_ids
         self._cached_tokens += len(seg_ids)
         while self._cached_tokens > self.max_cached_tokens and len(self._cache) > 1:
