@@ -24,9 +24,11 @@ import numpy as np
 
 
 def _publisher(endpoint_q, go, n_blocks: int, per_event: int, per_batch: int) -> None:
-    """Child process: build the batches, publish them when told to, then exit."""
+    """Child process: build the batches, publish them when told to, then exit. Until
+    then it publishes a no-op batch every 50 ms, so the parent can tell that its
+    subscription is live (a PUB socket drops what it sends before that)."""
     from sluice.engine.kv_publisher import KVEventPublisher
-    from sluice.kv_events import BlockStored
+    from sluice.kv_events import BlockRemoved, BlockStored
 
     bs = 16
     rng = np.random.default_rng(0)
@@ -43,7 +45,8 @@ def _publisher(endpoint_q, go, n_blocks: int, per_event: int, per_batch: int) ->
         batches.append(events)
     pub = KVEventPublisher("tcp://*:0", None, "bench")
     endpoint_q.put(pub.last_endpoint.replace("0.0.0.0", "127.0.0.1"))
-    go.wait(60)
+    while not go.wait(0.05):
+        pub.publish([BlockRemoved(block_hashes=[0], medium="GPU")])  # unknown hash: no-op
     for events in batches:
         pub.publish(events)
     pub.close(timeout=60)
@@ -90,14 +93,21 @@ def main() -> int:
                                                  args.blocks_per_event, args.events_per_batch))
     child.start()
     feeder.add(EventSource("bench:1", "m", endpoint_q.get(timeout=120), None))
-    time.sleep(0.5)
+    deadline = time.time() + 60
+    while feeder.batches == 0:  # wait for the subscription to be live
+        if time.time() > deadline:
+            raise SystemExit("serve_index: no event reached the feeder within 60 s")
+        time.sleep(0.01)
     bs = 16
     rng = np.random.default_rng(1)
     total = (args.blocks // args.blocks_per_event) * args.blocks_per_event
     t0 = time.perf_counter()
     go.set()
-    deadline = time.time() + 600
-    while feeder.blocks < total and time.time() < deadline:
+    deadline = time.time() + 300
+    while feeder.blocks < total:
+        if time.time() > deadline:
+            raise SystemExit(f"serve_index: {feeder.blocks} of {total} blocks ingested "
+                             "in 300 s")
         time.sleep(0.01)
     ingest_s = time.perf_counter() - t0
     blocks = feeder.blocks
