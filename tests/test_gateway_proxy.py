@@ -6,6 +6,7 @@ import json
 import time
 
 import httpx
+import pytest
 from engine_server import free_port
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -18,7 +19,7 @@ from sluice.gateway.routing.config import RoutingConfig
 
 
 def fake_engine(mode, state):
-    """mode: ok | error500 | die_midstream | slow."""
+    """mode: ok | error500 | die_midstream | slow | stall (answers after 5 s)."""
     app = FastAPI()
 
     @app.get("/health")
@@ -40,6 +41,8 @@ def fake_engine(mode, state):
         state["calls"] = state.get("calls", 0) + 1
         if mode == "error500":
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+        if mode == "stall":
+            await asyncio.sleep(5)
         if not body.get("stream"):
             return {"id": "x", "object": "text_completion", "model": body["model"],
                     "choices": [{"index": 0, "text": "hello", "finish_reason": "stop"}]}
@@ -200,3 +203,63 @@ def test_pending_prefill_and_inflight_are_released():
             # a second identical prompt: the speculative entry makes it a full hit
             r = post(server.url, {"model": "m", "prompt": list(range(64))})
             assert r.headers["x-sluice-prefix-hit-blocks"] == "4"
+
+
+class TruncatingEngine:
+    """A raw HTTP/1.1 engine whose JSON answer promises 1000 bytes, sends 12 and closes."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                if data.startswith(b"POST"):
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                                 b"content-length: 1000\r\n\r\n{\"id\": \"x\", ")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_engine_dying_inside_a_json_answer_is_a_502():
+    engine = TruncatingEngine()
+    try:
+        app = gateway_app([(engine.port, "m")])
+        with Server(app) as gw:
+            r = post(gw.url, {"model": "m", "prompt": "hi"})
+            assert r.status_code == 502, r.text
+            assert r.json()["error"]["code"] == "upstream_error"
+            proxy = app[GATEWAY].proxy
+            assert proxy.inflight == {} and proxy.pending_prefill == {}
+    finally:
+        engine.close()
+
+
+def test_client_gone_before_the_first_byte_releases_the_pod():
+    st = {}
+    with Server(fake_engine("stall", st)) as up:
+        app = gateway_app([(up, "m")], strategy="kv_aware")
+        proxy = app[GATEWAY].proxy
+        with Server(app) as gw:
+            with pytest.raises(httpx.ReadTimeout):  # the engine answers only after 5 s
+                httpx.post(gw.url + "/v1/completions", timeout=httpx.Timeout(10, read=0.3),
+                           json={"model": "m", "prompt": list(range(64))})
+            assert st.get("calls") == 1
+            deadline = time.time() + 2
+            while proxy.inflight and time.time() < deadline:
+                time.sleep(0.05)
+            assert proxy.inflight == {} and proxy.pending_prefill == {}
