@@ -56,7 +56,11 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         # (user agent, RBAC verb, group, resource[/subresource]) of every resource request
         self.calls: list[tuple[str, str, str, str]] = []
         self.watches: list[tuple[str, str | None]] = []  # (plural, labelSelector) opened
-        self._changed = asyncio.Condition()
+        # Set (and replaced) on every change. A watcher takes the current event before
+        # it reads the log, so a change after the read still wakes it. (An
+        # asyncio.Condition waited on under wait_for can lose its lock when the
+        # handler is cancelled on Python 3.11, which wedged every later write.)
+        self._changed = asyncio.Event()
         for kind in BUILTIN_KINDS:
             self.register(kind)
 
@@ -110,9 +114,12 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
     async def mutate(self, fn: Any) -> Any:
         """Run `fn(store)` and wake watchers; for controller simulations in tests."""
         result = fn(self.store)
-        async with self._changed:
-            self._changed.notify_all()
+        self._notify()
         return result
+
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
 
     # -- HTTP ----------------------------------------------------------------------
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
@@ -178,8 +185,7 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             result = self.store.delete(kind, ns, name)
         else:
             raise ApiError(405, "MethodNotAllowed", method)
-        async with self._changed:
-            self._changed.notify_all()
+        self._notify()
         return _json(result, status=201 if method == "POST" else 200)
 
     async def _watch(self, request: kmock.Request, kind: Kind) -> aiohttp.web.StreamResponse:
@@ -221,13 +227,13 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                             and _field_filter([event.obj], params.get("fieldSelector"))):
                         line = {"type": event.type, "object": event.obj}
                         await response.write(json.dumps(line).encode() + b"\n")
-                async with self._changed:
-                    if position < len(self.store.log):
-                        continue
-                    try:
-                        await asyncio.wait_for(self._changed.wait(), timeout=0.1)
-                    except TimeoutError:
-                        pass
+                changed = self._changed
+                if position < len(self.store.log):
+                    continue
+                try:
+                    await asyncio.wait_for(changed.wait(), timeout=0.1)
+                except TimeoutError:
+                    pass
         except (ConnectionResetError, asyncio.CancelledError):
             return response
         await response.write_eof()
