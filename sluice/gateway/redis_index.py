@@ -67,25 +67,38 @@ if seq >= 0 then redis.call('SET', seqk, seq) end
 return 1
 """
 
-# ARGV: prefix, now_ms, npods, pods..., keys...  -> {{pod, hits}..., {pod, w, r, kv, ts}...}
+# Keys travel as one argument, concatenated (each is KEY_WIDTH chars): redis-py
+# packs every argument separately in Python, which for the 512 keys of an
+# 8k-token prompt cost more than the lookup itself in Redis.
+KEY_WIDTH = 16
+SPLIT_KEYS = """
+local function split_keys(blob)
+  local keys = {}
+  for i = 1, #blob, KEY_WIDTH do keys[#keys + 1] = string.sub(blob, i, i + KEY_WIDTH - 1) end
+  return keys
+end
+""".replace("KEY_WIDTH", str(KEY_WIDTH))
+
+# ARGV: prefix, now_ms, npods, pods..., keys blob -> {{pod, hits}..., {pod, w, r, kv, ts}...}
 # Per pod: one SMISMEMBER over its key set and one ZMSCORE over its speculative
 # entries, for all the prompt's keys at once (chunks of CHUNK); the run ends at
 # the first key that is in neither.
-LOOKUP = """
+LOOKUP = SPLIT_KEYS + """
 local P, now, np = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local first, last = 4 + np, #ARGV
+local keys = split_keys(ARGV[4 + np])
+local last = #keys
 local flat, loads = {}, {}
 for j = 1, np do
   local pod = ARGV[3 + j]
   local l = redis.call('HMGET', P..'load:'..pod, 'waiting', 'running', 'kv_usage', 'ts_ms')
   if l[1] then loads[#loads + 1] = {pod, l[1], l[2], l[3], l[4]} end
-  local run, c0 = 0, first
+  local run, c0 = 0, 1
   local spec = redis.call('EXISTS', P..'pod:'..pod..':spec') == 1
   while c0 <= last do
     local c1 = math.min(c0 + CHUNK - 1, last)
-    local m = redis.call('SMISMEMBER', P..'pod:'..pod..':keys', unpack(ARGV, c0, c1))
+    local m = redis.call('SMISMEMBER', P..'pod:'..pod..':keys', unpack(keys, c0, c1))
     local s = nil
-    if spec then s = redis.call('ZMSCORE', P..'pod:'..pod..':spec', unpack(ARGV, c0, c1)) end
+    if spec then s = redis.call('ZMSCORE', P..'pod:'..pod..':spec', unpack(keys, c0, c1)) end
     local broke = false
     for x = 1, #m do
       if m[x] == 1 or (s and s[x] and tonumber(s[x]) > now) then
@@ -103,21 +116,22 @@ end
 return {flat, loads}
 """.replace("CHUNK", "1024")
 
-# ARGV: prefix, pod, expiry_ms, ttl_ms, keys...
-SPECULATE = """
+# ARGV: prefix, pod, expiry_ms, ttl_ms, keys blob
+SPECULATE = SPLIT_KEYS + """
 local P, pod, exp, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local keys = split_keys(ARGV[5])
 local k = P..'pod:'..pod..':spec'
-for c0 = 5, #ARGV, 512 do
+for c0 = 1, #keys, 512 do
   local args = {}
-  for x = c0, math.min(c0 + 511, #ARGV) do
+  for x = c0, math.min(c0 + 511, #keys) do
     args[#args + 1] = exp
-    args[#args + 1] = ARGV[x]
+    args[#args + 1] = keys[x]
   end
   redis.call('ZADD', k, unpack(args))
 end
 redis.call('ZREMRANGEBYSCORE', k, '-inf', '('..(exp - ttl))
 redis.call('PEXPIRE', k, ttl)
-return #ARGV - 4
+return #keys
 """
 
 
@@ -135,7 +149,6 @@ class RedisIndex:
         self.sync = sync_client
         self.aio = async_client
         self._apply = sync_client.register_script(APPLY)
-        self._spec_sync = sync_client.register_script(SPECULATE)
         self._lookup = async_client.register_script(LOOKUP)
         self._spec = async_client.register_script(SPECULATE)
 
@@ -172,7 +185,7 @@ class RedisIndex:
 
     async def lookup(self, keys: list[str], pods: list[str], now_ms: float
                      ) -> tuple[dict[str, int], dict[str, dict[str, float]]]:
-        hits_flat, loads = await self._lookup(args=[P, now_ms, len(pods), *pods, *keys])
+        hits_flat, loads = await self._lookup(args=[P, now_ms, len(pods), *pods, _blob(keys)])
         hits = {_s(hits_flat[i]): int(hits_flat[i + 1]) for i in range(0, len(hits_flat), 2)}
         table = {_s(row[0]): {"waiting": float(row[1]), "running": float(row[2]),
                               "kv_usage": float(row[3]), "ts_ms": float(row[4])}
@@ -181,7 +194,7 @@ class RedisIndex:
 
     async def speculate(self, pod: str, keys: list[str], ttl_ms: int, now_ms: float) -> None:
         if keys:
-            await self._spec(args=[P, pod, now_ms + ttl_ms, ttl_ms, *keys])
+            await self._spec(args=[P, pod, now_ms + ttl_ms, ttl_ms, _blob(keys)])
 
     async def write_loads(self, loads: dict[str, dict[str, float]], ttl_ms: int) -> None:
         pipe = self.aio.pipeline(transaction=False)
@@ -189,6 +202,13 @@ class RedisIndex:
             pipe.hset(ik.load_key(pod), mapping=fields)
             pipe.pexpire(ik.load_key(pod), ttl_ms)
         await pipe.execute()
+
+
+def _blob(keys: list[str]) -> str:
+    """The keys as one script argument (see SPLIT_KEYS)."""
+    blob = "".join(keys)
+    assert len(blob) == KEY_WIDTH * len(keys), "request keys are KEY_WIDTH hex chars"
+    return blob
 
 
 def _s(v: Any) -> str:
