@@ -226,7 +226,10 @@ class TruncatingEngine:
             with conn:
                 data = b""
                 while b"\r\n\r\n" not in data:
-                    data += conn.recv(65536)
+                    more = conn.recv(65536)
+                    if not more:
+                        break
+                    data += more
                 if data.startswith(b"POST"):
                     conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
                                  b"content-length: 1000\r\n\r\n{\"id\": \"x\", ")
