@@ -11,7 +11,7 @@ import yaml
 from k8s_controllers import controllers
 from k8s_harness import cluster, connection, eventually, operator
 from test_chart import render
-from test_operator_peering import PEERINGS, _settings
+from test_operator_peering import _settings, create_peering
 
 from sluice.operator import kube
 from sluice.operator.autoscale import LoadSample
@@ -34,12 +34,9 @@ def test_operator_cluster_role_covers_every_request_it_makes():
 
     async def scenario():
         async with cluster() as (api, server), controllers(api):
-            for crd in yaml.safe_load_all((ROOT / "charts/sluice/crds/kopf-peerings.yaml")
-                                          .read_text()):
-                api.register_crd(crd)
             client = kube.KubeClient.from_connection(connection(server))
             client._http.headers["User-Agent"] = "test-client"  # not the operator's requests
-            await client.create(PEERINGS, None, {"metadata": {"name": "sluice"}})
+            await create_peering(api, client)
             async with operator(server, standalone=False, priority=1, settings=_settings(),
                                 sampler=busy, autoscale_interval_s=0.2):
                 await client.create(kube.POOLS, "default", body)

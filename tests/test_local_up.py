@@ -26,15 +26,20 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 120) -> None
         time.sleep(0.3)
 
 
-def test_up_serves_prefixes_logs_and_stops_everything(tiny_chat_model):
+def start_up(model, engines: int, engine_args: str, **popen) -> tuple[subprocess.Popen, str]:
+    """`sluice up` serving `model` as "tiny" on a free port: (process, gateway URL)."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sluice.cli", "up", "--engines", "2", "--model",
-         str(tiny_chat_model), "--served-model-name", "tiny", "--port", str(port),
-         "--engine-args", "--num-kv-blocks 256 --max-model-len 1024"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ,
-                                                                   PYTHONUNBUFFERED="1"))
-    url = f"http://127.0.0.1:{port}"
+        [sys.executable, "-m", "sluice.cli", "up", "--engines", str(engines), "--model",
+         str(model), "--served-model-name", "tiny", "--port", str(port),
+         "--engine-args", engine_args], **popen)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def test_up_serves_prefixes_logs_and_stops_everything(tiny_chat_model):
+    proc, url = start_up(tiny_chat_model, 2, "--num-kv-blocks 256 --max-model-len 1024",
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         wait_healthy(proc, url)
         pods = list(httpx.get(url + "/health").json()["pods"])
@@ -59,13 +64,8 @@ def test_up_serves_prefixes_logs_and_stops_everything(tiny_chat_model):
 
 def test_killed_stack_leaves_no_engine(tiny_chat_model):
     """Even a SIGKILLed `sluice up` takes its children with it (PR_SET_PDEATHSIG)."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sluice.cli", "up", "--engines", "1", "--model",
-         str(tiny_chat_model), "--served-model-name", "tiny", "--port", str(port),
-         "--engine-args", "--num-kv-blocks 64 --max-model-len 512"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_up(tiny_chat_model, 1, "--num-kv-blocks 64 --max-model-len 512",
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_healthy(proc, url)
     pods = list(httpx.get(url + "/health").json()["pods"])
     proc.kill()

@@ -28,16 +28,20 @@ def _settings() -> kopf.OperatorSettings:
     return settings
 
 
+async def create_peering(api, client: kube.KubeClient) -> None:
+    """Register the chart's ClusterKopfPeering CRD and create the `sluice` peering."""
+    for crd in yaml.safe_load_all((ROOT / "charts/sluice/crds/kopf-peerings.yaml").read_text()):
+        api.register_crd(crd)
+    await client.create(PEERINGS, None, {"apiVersion": "kopf.dev/v1",
+                                         "kind": "ClusterKopfPeering",
+                                         "metadata": {"name": "sluice"}})
+
+
 def test_only_the_highest_priority_replica_acts_and_the_other_takes_over():
     async def scenario():
         async with cluster() as (api, server), controllers(api):
-            for crd in yaml.safe_load_all((ROOT / "charts/sluice/crds/kopf-peerings.yaml")
-                                          .read_text()):
-                api.register_crd(crd)
             client = kube.KubeClient.from_connection(connection(server))
-            await client.create(PEERINGS, None, {"apiVersion": "kopf.dev/v1",
-                                                 "kind": "ClusterKopfPeering",
-                                                 "metadata": {"name": "sluice"}})
+            await create_peering(api, client)
             async with contextlib.AsyncExitStack() as low_stack:
                 low = await low_stack.enter_async_context(operator(
                     server, standalone=False, priority=10, settings=_settings()))
