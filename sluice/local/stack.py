@@ -20,10 +20,35 @@ import httpx
 from sluice.local.procs import Child, wait_until
 
 
+_handed_out: set[int] = set()
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` free ports, distinct from each other and from every port this process was given.
+
+    A port is only taken once its server binds it, so the kernel may offer the
+    same one to two calls in a row; remembering what was handed out (and
+    holding all `n` sockets until they are chosen) keeps two servers of one
+    stack or test from racing for a port."""
+    socks: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < n:
+            s = socket.socket()
+            socks.append(s)
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+            if port not in _handed_out:
+                _handed_out.add(port)
+                ports.append(port)
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
 
 
 @dataclass(frozen=True)
