@@ -114,6 +114,29 @@ def _wait(url: str, timeout: float = 120) -> None:
     raise TimeoutError(url)
 
 
+def _gateway_sums(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each of the gateway's `*_seconds` histograms, pods summed."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sums: dict[str, list[float]] = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in fam.samples:
+            if s.name.endswith(("_seconds_sum", "_seconds_count")):
+                base, _, kind = s.name.rpartition("_")
+                sums.setdefault(base, [0.0, 0.0])[kind == "count"] += s.value
+    return {k: (v[0], v[1]) for k, v in sums.items()}
+
+
+def _means_ms(before: dict, after: dict) -> dict[str, float]:
+    """Mean of each histogram over the requests between `before` and `after`, in ms."""
+    out = {}
+    for base, (total, n) in after.items():
+        total0, n0 = before.get(base, (0.0, 0.0))
+        name = base.removeprefix("sluice_gateway_").removesuffix("_seconds")
+        out[f"gateway_{name}_ms_mean"] = 1000 * (total - total0) / max(1.0, n - n0)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--rate", type=float, default=200.0)
@@ -149,7 +172,9 @@ def main() -> int:
         prompts = [maker.text(200) for _ in range(args.requests)]
         asyncio.run(drive(gw, [maker.text(200) for _ in range(100)], 50, 1))  # warm-up
         direct = asyncio.run(drive(up, prompts, args.rate, 0))
+        before = _gateway_sums(gw)
         via = asyncio.run(drive(gw, prompts, args.rate, 0))
+        phases = _means_ms(before, _gateway_sums(gw))
     finally:
         for proc in reversed(procs):
             proc.terminate()
@@ -162,6 +187,7 @@ def main() -> int:
             out[f"{name}_ms_p{q}"] = float(np.percentile(arr, q))
     for q in (50, 90, 99):
         out[f"overhead_ms_p{q}"] = out[f"gateway_ms_p{q}"] - out[f"direct_ms_p{q}"]
+    out.update(phases)
     print(json.dumps(out, indent=2))
     return 0
 
