@@ -11,6 +11,8 @@ Only full blocks get keys, as only full blocks are cached by engines.
 from __future__ import annotations
 
 import hashlib
+import sys
+from array import array
 from functools import lru_cache
 
 import numpy as np
@@ -24,17 +26,25 @@ def root_key(model: str, block_size: int) -> bytes:
                            digest_size=8).digest()
 
 
+def _le_u32(token_ids: list[int] | np.ndarray) -> bytes:
+    """Token ids as little-endian uint32 bytes (ids outside uint32 wrap, as numpy casts)."""
+    if isinstance(token_ids, list) and sys.byteorder == "little":
+        try:
+            return array("I", token_ids).tobytes()  # ~3x faster than numpy from a list
+        except (OverflowError, TypeError):
+            pass
+    return np.asarray(token_ids, dtype=np.int64).astype("<u4", copy=False).tobytes()
+
+
 def chain_keys(parent: bytes, token_ids: list[int] | np.ndarray, block_size: int) -> list[str]:
     """Keys of the full blocks of `token_ids`, chained from the 8-byte `parent`."""
-    assert len(parent) == 8
-    tokens = np.asarray(token_ids, dtype=np.int64).astype("<u4", copy=False)
-    raw = tokens.tobytes()
+    assert len(parent) == 8 and array("I").itemsize == 4
+    raw = _le_u32(token_ids)
     width = 4 * block_size
+    blake2b = hashlib.blake2b
     keys: list[str] = []
-    for i in range(len(tokens) // block_size):
-        h = hashlib.blake2b(parent, digest_size=8)
-        h.update(raw[i * width:(i + 1) * width])
-        parent = h.digest()
+    for start in range(0, len(raw) - width + 1, width):
+        parent = blake2b(parent + raw[start:start + width], digest_size=8).digest()
         keys.append(parent.hex())
     return keys
 
