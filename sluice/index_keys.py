@@ -107,12 +107,14 @@ def _pod_key_batches(client: Any, pod: str) -> Iterable[list[Any]]:
             return
 
 
-def purge_pods(redis_client: Any, pods: list[str]) -> int:
+def purge_pods(redis_client: Any, pods: list[str], index_only: bool = False) -> int:
     """Remove every index and load entry of `pods` from Redis.
 
     Removes each pod from the holders of every key it held, deletes its
     per-pod keys (speculative entries included), its
-    load entry, and its membership of the pool set named in its meta. Works in
+    load entry, and its membership of the pool set named in its meta; with
+    `index_only`, only the prefix-index entries (keys, hashes, seq, speculative
+    entries: a re-sync), so its registration and load stay. Works in
     SSCAN batches so a pod with millions of keys never blocks Redis. Idempotent.
     Returns the number of request keys the pods held. `redis_client` is a sync
     `redis.Redis`.
@@ -127,6 +129,10 @@ def purge_pods(redis_client: Any, pods: list[str]) -> int:
                 pipe.srem(block_key(k), pod)
             pipe.execute()
             total += len(keys)
+        if index_only:
+            redis_client.delete(pod_keys_key(pod), pod_hashes_key(pod), pod_seq_key(pod),
+                                pod_spec_key(pod))
+            continue
         ns = meta.get(b"namespace", meta.get("namespace"))
         pool = meta.get(b"pool", meta.get("pool"))
         pipe = redis_client.pipeline(transaction=False)

@@ -6,6 +6,7 @@ Usage in tests:  `with RedisServer() as srv: redis.Redis(port=srv.port)`;
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import tempfile
@@ -46,6 +47,15 @@ class RedisServer:
             self._proc.kill()
             self._proc.wait()
             self._proc = None
+
+    def pause(self) -> None:
+        """Freeze the server (SIGSTOP): calls time out; its data survives `resume()`."""
+        assert self._proc is not None
+        self._proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self._proc is not None
+        self._proc.send_signal(signal.SIGCONT)
 
     def __enter__(self) -> RedisServer:
         return self.start()

@@ -5,7 +5,6 @@ import time
 
 import pytest
 import redis
-import redis.asyncio as aredis
 from redis_server import RedisServer
 
 from sluice import index_keys as ik
@@ -47,9 +46,8 @@ class Engine:
 def make_index(port):
     if port is None:
         return PrefixIndex(LocalIndex(), None)
-    return PrefixIndex(LocalIndex(), RedisIndex(
-        redis.Redis(port=port, socket_timeout=0.5, socket_connect_timeout=0.5),
-        aredis.Redis(port=port, socket_timeout=0.5, socket_connect_timeout=0.5)))
+    return PrefixIndex(LocalIndex(), RedisIndex.from_url(f"redis://127.0.0.1:{port}/0", 0.5),
+                       lookup_timeout_s=2.0)
 
 
 def wait_for(cond, timeout=10.0):
@@ -198,8 +196,8 @@ def test_engine_restart_drops_old_entries():
         pub2 = KVEventPublisher(f"tcp://*:{port}", f"tcp://*:{rport}", topic="t")
         time.sleep(0.5)
         pub2.publish([stored([77], None, TOKENS[:4])])
-        wait_for(lambda: feeder.restarts == 1)
-        assert hits(index, TOKENS, ["a:1"]) == {"a:1": 1}
+        wait_for(lambda: feeder.restarts == 1 and hits(index, TOKENS, ["a:1"]) == {"a:1": 1})
+        assert feeder.errors == 0
         pub2.close()
     finally:
         feeder.stop()
@@ -218,3 +216,85 @@ def test_speculative_entries_expire(srv):
         return h1, h2
 
     assert LOOP.run_until_complete(go()) == ({"a:1": 3}, {})
+
+
+def test_bad_endpoint_does_not_stop_the_feed():
+    a = Engine("a:1", 1)
+    index = make_index(None)
+    feeder = EventFeeder(index)
+    feeder.start()
+    try:
+        feeder.add(EventSource("bad:1", MODEL, "no-transport:5557", "also-bad"))
+        wait_for(lambda: feeder.errors >= 1)
+        feeder.add(a.source())
+        time.sleep(0.3)
+        a.pub.publish([stored([a.h(0)], None, TOKENS[:4])])
+        wait_for(lambda: hits(index, TOKENS, ["a:1"]) == {"a:1": 1})
+        assert feeder.alive() and "bad:1" not in feeder.pods()
+    finally:
+        feeder.stop()
+        a.pub.close()
+    assert not feeder.alive()
+
+
+def test_engine_restarted_while_the_gateway_was_away(srv):
+    """Redis says seq 3 was applied; the engine restarted meanwhile and is at seq 1:
+    its live batches are older by seq but newer by time, so its old entries go."""
+    a = Engine("a:1", 1)
+    index = make_index(srv.port)
+    feeder = EventFeeder(index)
+    feeder.start()
+    feeder.add(a.source())
+    time.sleep(0.3)
+    for i in range(4):
+        a.pub.publish([stored([a.h(i)], a.h(i - 1) if i else None, TOKENS[4 * i:4 * i + 4])])
+    wait_for(lambda: feeder.batches >= 4)
+    feeder.stop()
+    endpoint = a.source()
+    a.pub.close()
+    time.sleep(0.1)
+    port = endpoint.endpoint.rsplit(":", 1)[1]
+    rport = endpoint.replay_endpoint.rsplit(":", 1)[1]
+    pub2 = KVEventPublisher(f"tcp://*:{port}", f"tcp://*:{rport}", topic="t")
+    pub2.publish([stored([90], None, TOKENS[:4])])        # seq 0
+    pub2.publish([stored([91], 90, TOKENS[4:8])])         # seq 1
+    index2 = make_index(srv.port)
+    feeder2 = EventFeeder(index2)
+    feeder2.start()
+    try:
+        feeder2.add(endpoint)
+        wait_for(lambda: hits(index2, TOKENS, ["a:1"]) == {"a:1": 4})  # stale, from Redis
+        time.sleep(0.3)
+        pub2.publish([stored([92], 91, TOKENS[8:12])])    # seq 2 < 3
+        wait_for(lambda: feeder2.restarts == 1
+                 and hits(index2, TOKENS, ["a:1"]) == {"a:1": 3})
+        assert index2.local.lookup(request_keys(MODEL, BS, TOKENS), ["a:1"], 0) == {"a:1": 3}
+    finally:
+        feeder2.stop()
+        pub2.close()
+
+
+def test_pod_removed_during_an_outage_is_purged_on_recovery(srv):
+    a = Engine("a:1", 1)
+    index = make_index(srv.port)
+    feeder = EventFeeder(index, recover_every_s=0.1)
+    feeder.start()
+    r = redis.Redis(port=srv.port)
+    try:
+        feeder.add(a.source())
+        time.sleep(0.3)
+        a.pub.publish([stored([a.h(0)], None, TOKENS[:4])])
+        wait_for(lambda: feeder.batches >= 1)
+        assert r.scard(ik.pod_keys_key("a:1")) == 1
+        srv.pause()
+        a.pub.publish([stored([a.h(1)], a.h(0), TOKENS[4:8])])
+        wait_for(lambda: index.mode == "local")
+        feeder.remove("a:1")
+        wait_for(lambda: "a:1" not in feeder.pods())
+        srv.resume()
+        wait_for(lambda: index.mode == "redis")
+        assert not r.exists(ik.pod_keys_key("a:1")) and not r.exists(ik.pod_seq_key("a:1"))
+        assert not r.exists(ik.block_key(request_keys(MODEL, BS, TOKENS)[0]))
+    finally:
+        feeder.stop()
+        a.pub.close()

@@ -72,13 +72,7 @@ class Gateway:
         self.loads = LoadTable(cfg.load_ttl_ms)
         self.redis: RedisIndex | None = None
         if cfg.redis_url:
-            import redis
-            import redis.asyncio as aredis
-            t = max(cfg.redis_timeout_s, 0.2)
-            self.redis = RedisIndex(
-                redis.Redis.from_url(cfg.redis_url, socket_timeout=t, socket_connect_timeout=t),
-                aredis.Redis.from_url(cfg.redis_url, socket_timeout=t,
-                                      socket_connect_timeout=t))
+            self.redis = RedisIndex.from_url(cfg.redis_url, max(cfg.redis_timeout_s, 0.2))
         self.index = PrefixIndex(LocalIndex(cfg.local_index), self.redis, cfg.redis_timeout_s)
         self.index.on_mode_change.append(self.metrics.set_mode)
         self.metrics.set_mode(self.index.mode)

@@ -9,8 +9,10 @@ seq, read `(seq, payload)` until seq == -1.
   pod's last applied seq, warm the local view from Redis and replay from
   seq + 1 (a restarted gateway catches up); otherwise replay from 0.
 - Gap in live seqs: replay the missing range.
-- seq back at 0 with a newer timestamp: the engine restarted; its old entries
-  are dropped before applying.
+- seq not newer than the last applied one but with a newer timestamp: the
+  engine restarted; its old entries are dropped and it is replayed from 0.
+- A replay request left unanswered gets a fresh DEALER (no stale answers).
+- An error with one pod or batch is logged and counted; the thread goes on.
 - Between batches: `PrefixIndex.recover()` when Redis had been unreachable.
 Commands (add/remove pod) arrive through a bounded queue.
 """
@@ -66,6 +68,7 @@ class EventFeeder:
         self.blocks = 0
         self.orphans = 0
         self.restarts = 0
+        self.errors = 0  # exceptions survived by the feeder thread
 
     def start(self) -> None:
         self._thread.start()
@@ -84,29 +87,45 @@ class EventFeeder:
         return list(self._pods)
 
     # -- thread ------------------------------------------------------------------------------
+    def alive(self) -> bool:
+        """False once the feeder thread has ended (it only ends on `stop()`)."""
+        return self._thread.is_alive()
+
     def _run(self) -> None:
         poller = zmq.Poller()
         next_recover = 0.0
         while not self._stop.is_set():
-            self._drain_commands(poller)
-            now = time.monotonic()
-            if self.index.mode == "local" and now >= next_recover:
-                next_recover = now + self.recover_every_s
-                self.index.recover()
-            if not self._pods:  # zmq_poll on no sockets returns at once: don't spin
+            try:
+                self._round(poller)
+            except Exception:  # noqa: BLE001 -- one bad pod or batch must not stop the feed
+                self.errors += 1
+                log.exception("kv-event feeder: error (continuing)")
                 self._stop.wait(0.05)
-                continue
-            ready = dict(poller.poll(50))
-            for state in list(self._pods.values()):
-                if state.sub in ready:
-                    for _ in range(1000):  # bounded drain per pod per round
-                        try:
-                            frames = state.sub.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._on_live(state, frames)
+            if self.index.mode == "local" and time.monotonic() >= next_recover:
+                next_recover = time.monotonic() + self.recover_every_s
+                try:
+                    self.index.recover()
+                except Exception:  # noqa: BLE001
+                    self.errors += 1
+                    log.exception("kv-event feeder: index recovery failed (retrying)")
         for state in self._pods.values():
             self._close(state)
+
+    def _round(self, poller: zmq.Poller) -> None:
+        """Commands, then up to 50 ms of live events from every pod."""
+        self._drain_commands(poller)
+        if not self._pods:  # zmq_poll on no sockets returns at once: don't spin
+            self._stop.wait(0.05)
+            return
+        ready = dict(poller.poll(50))
+        for state in list(self._pods.values()):
+            if state.sub in ready:
+                for _ in range(1000):  # bounded drain per pod per round
+                    try:
+                        frames = state.sub.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._on_live(state, frames)
 
     def _drain_commands(self, poller: zmq.Poller) -> None:
         while True:
@@ -118,13 +137,15 @@ class EventFeeder:
                 sub = self._ctx.socket(zmq.SUB)
                 sub.setsockopt(zmq.SUBSCRIBE, b"")
                 sub.setsockopt(zmq.RCVHWM, 100_000)
-                sub.connect(arg.endpoint)
-                replay = None
-                if arg.replay_endpoint:
-                    replay = self._ctx.socket(zmq.DEALER)
-                    replay.setsockopt(zmq.LINGER, 0)
-                    replay.connect(arg.replay_endpoint)
-                state = self._pods[arg.pod] = _PodState(arg, sub, replay)
+                try:
+                    sub.connect(arg.endpoint)
+                except zmq.ZMQError as err:
+                    sub.close(linger=0)
+                    self.errors += 1
+                    log.error("%s: cannot subscribe to KV events at %r (%s): routed on load "
+                              "and speculative entries only", arg.pod, arg.endpoint, err)
+                    continue
+                state = self._pods[arg.pod] = _PodState(arg, sub, self._replay_socket(arg))
                 poller.register(sub, zmq.POLLIN)
                 self._catch_up_new(state)
             elif cmd == "remove" and arg in self._pods:
@@ -132,6 +153,21 @@ class EventFeeder:
                 poller.unregister(state.sub)
                 self._close(state)
                 self.index.forget_pod(arg)
+
+    def _replay_socket(self, source: EventSource) -> zmq.Socket | None:
+        if not source.replay_endpoint:
+            return None
+        replay = self._ctx.socket(zmq.DEALER)
+        replay.setsockopt(zmq.LINGER, 0)
+        try:
+            replay.connect(source.replay_endpoint)
+        except zmq.ZMQError as err:
+            replay.close(linger=0)
+            self.errors += 1
+            log.error("%s: bad KV-event replay endpoint %r (%s): no catch-up for it",
+                      source.pod, source.replay_endpoint, err)
+            return None
+        return replay
 
     def _close(self, state: _PodState) -> None:
         state.sub.close(linger=0)
@@ -141,11 +177,15 @@ class EventFeeder:
     def _catch_up_new(self, state: _PodState) -> None:
         stored = self.index.stored_seq(state.source.pod)
         if stored is not None:
-            self.index.warm_from_redis(state.source.pod)
+            self.index.warm_from_redis(state.source.pod, stored)
             state.last_seq = stored
         self._replay(state, state.last_seq + 1)
 
     def _replay(self, state: _PodState, start: int) -> None:
+        """Apply the engine's buffered batches from `start` on (vLLM's replay protocol).
+
+        A request that goes unanswered leaves the socket replaced: its late
+        answer must not be read as the answer to the next request."""
         if state.replay is None:
             return
         state.replay.send_multipart((b"", start.to_bytes(8, "big")))
@@ -154,9 +194,15 @@ class EventFeeder:
             left = deadline - time.monotonic()
             if left <= 0 or not state.replay.poll(int(left * 1000)):
                 log.warning("replay from %s timed out", state.source.pod)
+                state.replay.close(linger=0)
+                state.replay = self._replay_socket(state.source)
                 return
             frames = state.replay.recv_multipart()
             frames = frames[1:] if frames and frames[0] == b"" else frames
+            if len(frames) < 2:
+                log.warning("%s: malformed replay answer (%d frames)", state.source.pod,
+                            len(frames))
+                return
             seq_bytes, payload = frames[-2], frames[-1]  # tolerate (topic, seq, payload)
             seq = int.from_bytes(seq_bytes, "big", signed=True)
             if seq < 0:
@@ -172,17 +218,22 @@ class EventFeeder:
             return
         seq = int.from_bytes(frames[1], "big")
         if seq <= state.last_seq:
-            if seq == 0 and state.last_seq > 0:
-                try:
-                    ts = decode_batch(frames[2]).ts
-                except (msgspec.DecodeError, ValueError, TypeError):
-                    return
-                if ts > state.last_ts:  # the engine restarted: its cache is empty
-                    log.warning("%s restarted (seq back to 0): dropping its entries",
-                                state.source.pod)
-                    self.restarts += 1
-                    self.index.forget_pod(state.source.pod)
-                    state.last_seq = -1
+            # Not newer: a duplicate of what a replay applied, or the engine restarted
+            # (its seq starts again at 0) -- told apart by the batch's timestamp. After
+            # a gateway restart last_ts is 0 until a batch is applied, so a pod whose
+            # seq went back while this gateway was away is recognised too.
+            try:
+                ts = decode_batch(frames[2]).ts
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError):
+                return
+            if ts > state.last_ts:  # the engine restarted: its cache is empty
+                log.warning("%s restarted (seq %d after %d): dropping its entries",
+                            state.source.pod, seq, state.last_seq)
+                self.restarts += 1
+                self.index.forget_pod(state.source.pod)
+                state.last_seq, state.last_ts = -1, 0.0
+                self._replay(state, 0)
+                if seq > state.last_seq:
                     self._apply(state, seq, frames[2])
             return
         if state.last_seq >= 0 and seq > state.last_seq + 1:

@@ -41,6 +41,7 @@ class PrefixIndex:
         self._degraded = redis is None
         self._slow = 0  # consecutive lookup timeouts
         self._last_seq: dict[str, int] = {}
+        self._purge_later: set[str] = set()  # pods forgotten while Redis was down
         self._block_size: dict[str, int] = {}
         self.on_mode_change: list[Any] = []
 
@@ -85,12 +86,22 @@ class PrefixIndex:
         """The pod is gone (or restarted): drop its entries everywhere."""
         self.local.clear(pod)
         self._last_seq.pop(pod, None)
-        if self.redis is not None and not self._degraded:
-            from sluice.index_keys import purge_pods
+        if self.redis is None:
+            return
+        self._purge_later.add(pod)
+        if not self._degraded:
             try:
-                purge_pods(self.redis.sync, [pod])
+                self._purge_pending()
             except RedisError as err:
                 self._degrade(err)
+
+    def _purge_pending(self) -> None:
+        from sluice.index_keys import purge_pods
+
+        for pod in list(self._purge_later):
+            if pod not in self._last_seq:  # not re-added meanwhile
+                purge_pods(self.redis.sync, [pod])
+            self._purge_later.discard(pod)
 
     def stored_seq(self, pod: str) -> int | None:
         """Seq last applied to Redis for `pod` (None: unknown / Redis down)."""
@@ -102,8 +113,9 @@ class PrefixIndex:
             self._degrade(err)
             return None
 
-    def warm_from_redis(self, pod: str) -> None:
-        """Load the pod's entries from Redis into the local view (gateway restart)."""
+    def warm_from_redis(self, pod: str, seq: int) -> None:
+        """Load the pod's entries, applied up to `seq`, from Redis into the local view
+        (gateway restart)."""
         if self.redis is None or self._degraded:
             return
         try:
@@ -112,6 +124,7 @@ class PrefixIndex:
             self._degrade(err)
             return
         self.local.store(pod, list(hashes.items()))
+        self._last_seq[pod] = seq
 
     def recover(self) -> bool:
         """If degraded and Redis answers again: re-sync every pod, back to redis mode."""
@@ -119,6 +132,7 @@ class PrefixIndex:
             return False
         try:
             self.redis.sync.ping()
+            self._purge_pending()
             for pod, seq in list(self._last_seq.items()):
                 self.redis.resync(pod, seq, self.local.snapshot(pod), self._block_size.get(pod))
         except RedisError:
@@ -142,11 +156,7 @@ class PrefixIndex:
                 self._slow = 0
                 return found
             except TimeoutError:
-                # A slow answer: this request uses the local view; only a run of them
-                # counts as an outage (a busy Redis is not a dead one).
-                self._slow += 1
-                if self._slow >= self.MAX_SLOW_LOOKUPS:
-                    self._degrade(RedisError(f"{self._slow} lookups in a row timed out"))
+                self._timed_out()  # this request uses the local view
             except (RedisError, OSError) as err:
                 self._degrade(err if isinstance(err, RedisError) else RedisError(repr(err)))
         return self.local.lookup(keys, pods, now_ms()), None
@@ -169,5 +179,15 @@ class PrefixIndex:
         try:
             async with asyncio.timeout(self.lookup_timeout_s * 4):
                 await self.redis.speculate(pod, keys, ttl_ms, t)
-        except (TimeoutError, RedisError, OSError) as err:
+            self._slow = 0
+        except TimeoutError:
+            self._timed_out()
+        except (RedisError, OSError) as err:
             self._degrade(err if isinstance(err, RedisError) else RedisError(repr(err)))
+
+    def _timed_out(self) -> None:
+        """A slow Redis answer: only a run of them counts as an outage (a busy Redis
+        is not a dead one, and each switch to local mode costs a full re-sync)."""
+        self._slow += 1
+        if self._slow >= self.MAX_SLOW_LOOKUPS:
+            self._degrade(RedisError(f"{self._slow} Redis calls in a row timed out"))

@@ -152,6 +152,20 @@ class RedisIndex:
         self._lookup = async_client.register_script(LOOKUP)
         self._spec = async_client.register_script(SPECULATE)
 
+    @classmethod
+    def from_url(cls, url: str, timeout_s: float) -> RedisIndex:
+        """Clients that fail after `timeout_s`, without redis-py's retries: the caller
+        has its own fallback (the local view), and a retried call against a hung
+        Redis (3 retries with back-off) stalls ~10 s instead of `timeout_s`."""
+        import redis
+        import redis.asyncio as aredis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        opts = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+        return cls(redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **opts),
+                   aredis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **opts))
+
     def apply(self, pod: str, seq: int, ops: bytes) -> bool:
         """Apply one batch (seq < 0: unconditionally, seq untouched). False if stale."""
         return bool(self._apply(args=[P, pod, seq, ops]))
@@ -167,7 +181,7 @@ class RedisIndex:
     def resync(self, pod: str, seq: int, hashes: dict[str, str],
                block_size: int | None) -> None:
         """Replace the pod's entries with `hashes` (the local view) at `seq`."""
-        ik.purge_pods(self.sync, [pod])
+        ik.purge_pods(self.sync, [pod], index_only=True)
         items = list(hashes.items())
         chunk = 5000
         for start in range(0, max(len(items), 1), chunk):
