@@ -125,7 +125,8 @@ def test_redis_killed_mid_run_falls_back_and_recovers(gateway, redis_srv):
             assert all(pool.map(ok, range(8)))
         metrics = httpx.get(gateway.url + "/metrics").text
         assert 'sluice_gateway_index_mode{mode="local"} 1.0' in metrics
-        assert httpx.get(gateway.url + "/health").json()["index"] == "local"
+        health = httpx.get(gateway.url + "/health").json()
+        assert health["index"] == "local" and health["event_feed"] == "running"
     finally:
         redis_srv.start()
     deadline = time.time() + 10

@@ -183,8 +183,9 @@ class Gateway:
     def health_body(self) -> tuple[int, dict[str, Any]]:
         pods = self.registry.active()
         healthy = [p for p in pods if self.health.is_healthy(p)]
+        feed = "off" if self.feeder is None else "running" if self.feeder.alive() else "stopped"
         body = {"status": "ok" if healthy else "no_healthy_engines", "index": self.index.mode,
-                "pods": {p: self.health.is_healthy(p) for p in pods}}
+                "event_feed": feed, "pods": {p: self.health.is_healthy(p) for p in pods}}
         return (200 if healthy else 503), body
 
     def metrics_text(self) -> bytes:
