@@ -19,7 +19,7 @@ from sluice.gateway.routing.config import RoutingConfig
 
 
 def fake_engine(mode, state):
-    """mode: ok | error500 | die_midstream | slow | stall (answers after 5 s)."""
+    """mode: ok | error500 | busy429 | die_midstream | slow | stall (answers after 5 s)."""
     app = FastAPI()
 
     @app.get("/health")
@@ -41,6 +41,9 @@ def fake_engine(mode, state):
         state["calls"] = state.get("calls", 0) + 1
         if mode == "error500":
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+        if mode == "busy429":
+            return JSONResponse({"error": {"message": "queue full"}}, status_code=429,
+                                headers={"retry-after": "1"})
         if mode == "stall":
             await asyncio.sleep(5)
         if not body.get("stream"):
@@ -65,8 +68,9 @@ def fake_engine(mode, state):
     return app
 
 
-def gateway_app(upstreams, strategy="round_robin", **cfg):
-    """`upstreams`: (Server or a bare port, model) pairs."""
+def gateway_app(upstreams, strategy="round_robin", read_timeout_s=5.0, **cfg):
+    """`upstreams`: (Server or a bare port, model) pairs; a model of None is asked
+    from the pod."""
     eps = []
     for u, m in upstreams:
         port = u if isinstance(u, int) else u.port
@@ -74,7 +78,8 @@ def gateway_app(upstreams, strategy="round_robin", **cfg):
                             pool=m))
     config = GatewayConfig(routing=RoutingConfig(strategy=strategy), max_body_bytes=4096,
                            proxy=ProxyConfig(max_retries=2, connect_timeout_s=1,
-                                             read_timeout_s=5), probe_interval_s=0.2, **cfg)
+                                             read_timeout_s=read_timeout_s),
+                           probe_interval_s=0.2, **cfg)
     return create_app(Gateway(config, StaticDiscovery(eps)))
 
 
@@ -89,7 +94,12 @@ def test_bad_input_is_openai_shaped():
         cases = [(b"{not json", 400), (json.dumps({"prompt": "x"}).encode(), 400),
                  (json.dumps([1, 2]).encode(), 400),
                  (json.dumps({"model": "nope", "prompt": "x"}).encode(), 404),
-                 (json.dumps({"model": "m", "prompt": "x" * 5000}).encode(), 413)]
+                 (json.dumps({"model": "m", "prompt": "x" * 5000}).encode(), 413),
+                 (b'{"model": "m", "prompt": ' + b"[" * 1800 + b"]" * 1800 + b"}", 400),
+                 (json.dumps({"model": "m", "prompt": [2**70, 1]}).encode(), 400),
+                 (json.dumps({"model": "m", "prompt": [-1]}).encode(), 400),
+                 (json.dumps({"model": "m", "prompt": [[]]}).encode(), 400),
+                 (json.dumps({"model": "m", "prompt": [True]}).encode(), 400)]
         for body, status in cases:
             r = post(gw.url, body)
             assert r.status_code == status, (body[:30], r.text)
@@ -128,6 +138,48 @@ def test_no_pod_left_is_503():
         r = post(gw.url, {"model": "m", "prompt": "hi"})
         assert r.status_code == 503
         assert r.json()["error"]["type"] == "service_unavailable"
+
+
+def test_every_engine_busy_is_429():
+    st1, st2 = {}, {}
+    with Server(fake_engine("busy429", st1)) as a, Server(fake_engine("busy429", st2)) as b, \
+            Server(gateway_app([(a, "m"), (b, "m")])) as gw:
+        r = post(gw.url, {"model": "m", "prompt": "hi"})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+        assert r.json()["error"]["code"] == "rate_limit_exceeded"
+        assert st1["calls"] == 1 and st2["calls"] == 1
+        health = httpx.get(gw.url + "/health").json()
+        assert all(health["pods"].values())  # busy is not unhealthy
+
+
+def test_known_model_without_a_ready_engine_is_503_not_404():
+    dead_port = free_port()  # its model is never learned
+    with Server(gateway_app([(dead_port, None)])) as gw:
+        r = post(gw.url, {"model": "m", "prompt": "hi"})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert r.json()["error"]["type"] == "service_unavailable"
+
+
+def test_engine_silent_past_the_read_timeout_is_504_and_counts_as_a_failure():
+    st = {}
+    with Server(fake_engine("stall", st)) as up, \
+            Server(gateway_app([(up, "m")], read_timeout_s=0.3)) as gw:
+        for _ in range(3):
+            r = post(gw.url, {"model": "m", "prompt": "hi"})
+            assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+        assert httpx.get(gw.url + "/health").json()["pods"][f"127.0.0.1:{up.port}"] is False
+
+
+def test_internal_error_is_an_openai_shaped_500():
+    async def broken(*args, **kw):
+        raise RuntimeError("bug")
+
+    app = gateway_app([(free_port(), "m")])
+    app[GATEWAY].router.route = broken
+    with Server(app) as gw:
+        r = post(gw.url, {"model": "m", "prompt": "hi"})
+        assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+        assert httpx.get(gw.url + "/health").status_code in (200, 503)  # still serving
 
 
 def test_stream_is_passed_through_chunk_by_chunk():

@@ -133,7 +133,7 @@ class Gateway:
             return body
         try:
             data = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as err:
+        except (ValueError, UnicodeDecodeError, RecursionError) as err:
             self.metrics.errors.labels("bad_request").inc()
             return error_response(400, f"request body is not valid JSON: {err}", "invalid_json")
         problem = _validate(kind, data)
@@ -142,6 +142,10 @@ class Gateway:
             return error_response(400, problem[1], "invalid_request", problem[0])
         model = data["model"]
         if model not in self.registry.models():
+            if self.registry.may_serve(model):  # known, but no engine of it is ready
+                self.metrics.errors.labels("no_pod").inc()
+                return error_response(503, f"no engine of model {model!r} is ready",
+                                      "service_unavailable", headers={"retry-after": "1"})
             self.metrics.errors.labels("unknown_model").inc()
             return error_response(404, f"model {model!r} does not exist", "model_not_found",
                                   "model")
@@ -208,11 +212,26 @@ def _validate(kind: str, data: Any) -> tuple[str, str] | None:
         msgs = data.get("messages")
         if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
             return "messages", "'messages' must be a non-empty list of objects"
-    elif not isinstance(data.get("prompt"), (str, list)):
-        return "prompt", "'prompt' is required (a string, a list of strings or token ids)"
+    elif not _is_prompt(data.get("prompt")):
+        return "prompt", ("'prompt' is required: a string, a list of strings, a list of "
+                          "token ids (integers 0 to 2^32-1) or a list of such lists")
     if "stream" in data and not isinstance(data["stream"], bool):
         return "stream", "'stream' must be a boolean"
     return None
+
+
+def _is_prompt(p: Any) -> bool:
+    def ids(x: Any) -> bool:
+        return isinstance(x, list) and all(
+            type(t) is int and 0 <= t < 2**32 for t in x)  # noqa: E721 -- bool is no id
+
+    if isinstance(p, str):
+        return True
+    if not isinstance(p, list) or not p:
+        return False
+    if all(isinstance(x, str) for x in p) or ids(p):
+        return True
+    return all(ids(x) and x for x in p)
 
 
 GATEWAY = web.AppKey("gateway", Gateway)
@@ -220,7 +239,7 @@ GATEWAY = web.AppKey("gateway", Gateway)
 
 @web.middleware
 async def _openai_errors(request: web.Request, handler) -> web.StreamResponse:
-    """aiohttp's own 404 / 405 / 413 answers, OpenAI-shaped."""
+    """aiohttp's own 404 / 405 / 413 answers and any unexpected error, OpenAI-shaped."""
     try:
         return await handler(request)
     except web.HTTPException as exc:
@@ -228,6 +247,9 @@ async def _openai_errors(request: web.Request, handler) -> web.StreamResponse:
             raise
         return error_response(exc.status, exc.reason, headers={
             k: v for k, v in exc.headers.items() if k.lower() == "allow"})
+    except Exception:  # noqa: BLE001 -- a bug must still answer like the API
+        log.exception("internal error on %s %s", request.method, request.path)
+        return error_response(500, "internal gateway error", "internal_error")
 
 
 def create_app(gateway: Gateway) -> web.Application:

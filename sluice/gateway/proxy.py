@@ -68,6 +68,7 @@ class Proxy:
                       headers: dict[str, str], route: RouteFn) -> web.StreamResponse:
         tried: set[str] = set()
         last_error = "no healthy engine for this model"
+        busy = 0  # attempts answered 429
         for attempt in range(self.cfg.max_retries + 1):
             decision = await route(frozenset(tried))
             if decision is None:
@@ -93,8 +94,10 @@ class Proxy:
                 last_error = f"engine {pod} did not accept the connection"
                 continue
             except asyncio.TimeoutError:
+                # silent past read_timeout: not retried (it may still be working on
+                # the request), but counted, so a hung pod ends up marked unhealthy
                 self._done(pod, owed)
-                self.metrics.errors.labels("upstream_timeout").inc()
+                self._failed(pod, "upstream_timeout")
                 return error_response(504, f"engine {pod} did not answer in time", "timeout")
             except aiohttp.ClientError as err:
                 self._done(pod, owed)
@@ -113,6 +116,7 @@ class Proxy:
                     resp.close()
                     self._done(pod, owed)
                 if resp.status == 429:
+                    busy += 1
                     self.metrics.errors.labels("upstream_429").inc()
                 else:
                     self._failed(pod, "upstream_5xx")
@@ -122,6 +126,9 @@ class Proxy:
             self.metrics.ttfb.labels(pod).observe(time.perf_counter() - started)
             return await self._relay(request, resp, decision, started, owed)
         self.metrics.errors.labels("no_pod").inc()
+        if busy and busy == len(tried):  # every engine tried is overloaded: say so
+            return error_response(429, last_error, "rate_limit_exceeded",
+                                  headers={"retry-after": "1"})
         return error_response(503, last_error, "service_unavailable",
                               headers={"retry-after": "1"})
 

@@ -34,6 +34,7 @@ class PodRegistry:
         self._endpoints: dict[str, Endpoint] = {}   # every discovered pod
         self._models: dict[str, list[str]] = {}     # pod -> its served models (active pods)
         self._pending: dict[str, asyncio.Task] = {}
+        self._seen: set[str] = set()  # every model an engine has served (few)
 
     # -- queries ---------------------------------------------------------------------------
     def pods_for(self, model: str) -> list[str]:
@@ -41,6 +42,12 @@ class PodRegistry:
 
     def models(self) -> list[str]:
         return sorted({m for models in self._models.values() for m in models})
+
+    def may_serve(self, model: str) -> bool:
+        """Whether `model` may become servable again: an engine served it before, an
+        endpoint is configured with it, or an endpoint's model is still being asked."""
+        return (model in self._seen or bool(self._pending)
+                or any(e.model == model for e in self._endpoints.values()))
 
     def url_of(self, pod: str) -> str | None:
         ep = self._endpoints.get(pod)
@@ -85,6 +92,7 @@ class PodRegistry:
         log.info("engine %s serves %s (pool %s/%s, events %s)", ep.pod, ",".join(models),
                  ep.namespace, ep.pool, ep.events or "none")
         self._models[ep.pod] = models
+        self._seen.update(models)
         if self.feeder is not None and ep.events:
             self.feeder.add(EventSource(ep.pod, models[0], ep.events, ep.replay))
         if self.redis is not None:
