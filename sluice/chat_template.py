@@ -83,3 +83,23 @@ def plain(value: Any) -> Any:
     if callable(getattr(value, "model_dump", None)):  # pydantic models
         return plain(value.model_dump())
     return f"<{type(value).__name__}>"
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI chat messages as the template sees them (engine and gateway alike):
+    fields set to null are dropped and list-of-parts content is joined into one
+    text. Raises ValueError on a non-text part."""
+    out = []
+    for m in messages:
+        d = {k: v for k, v in m.items() if v is not None}
+        content = d.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"unsupported content part type {kind!r}")
+                texts.append(part.get("text", ""))
+            d["content"] = "".join(texts)
+        out.append(d)
+    return out

@@ -155,6 +155,7 @@ class Gateway:
             try:
                 token_ids = self.tokenizer.token_ids(kind, data)
             except Exception as err:  # noqa: BLE001 -- the engine rejects it itself
+                self.metrics.errors.labels("tokenize").inc()
                 log.debug("tokenization failed (%s); routing without prefix", err)
         routed: list[Decision] = []
 

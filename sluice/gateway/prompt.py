@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from sluice.chat_template import template_messages
 from sluice.gateway.segment_encoder import SegmentEncoder
 from sluice.tokenizer import Tokenizer
 
@@ -40,7 +41,7 @@ class PromptTokenizer:
                 return None
             kwargs = dict(body.get("chat_template_kwargs") or {})
             text = tok.apply_chat_template(
-                body["messages"], add_generation_prompt=body.get("add_generation_prompt", True),
+                template_messages(body["messages"]), add_generation_prompt=body.get("add_generation_prompt", True),
                 tools=body.get("tools"), **kwargs)
             return self._encoders[id(tok)].encode(text)
         prompt = body.get("prompt")

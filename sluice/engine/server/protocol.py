@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from sluice.chat_template import template_messages
 from sluice.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16  # choices per prompt
@@ -102,16 +103,5 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
     def message_dicts(self) -> list[dict[str, Any]]:
-        """Messages for the chat template; list-of-parts content is joined into text."""
-        out = []
-        for m in self.messages:
-            d = m.model_dump(exclude_none=True)
-            if isinstance(m.content, list):
-                parts = []
-                for part in m.content:
-                    if part.get("type") != "text":
-                        raise ValueError(f"unsupported content part type {part.get('type')!r}")
-                    parts.append(part.get("text", ""))
-                d["content"] = "".join(parts)
-            out.append(d)
-        return out
+        """Messages for the chat template (`template_messages`: the gateway's too)."""
+        return template_messages([m.model_dump(exclude_none=True) for m in self.messages])
