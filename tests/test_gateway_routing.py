@@ -68,6 +68,17 @@ def test_kv_ceiling_and_unknown_load():
     assert d.pod not in ("p2:1", "p0:1")  # full KV cache; unknown load not preferred
 
 
+def test_unknown_load_loses_even_with_the_whole_prefix():
+    router, index = make(loads={"p0:1": (None, None, None)}, inflight={"p0:1": 5})
+    hold(index, "p0:1", 10)
+    hold(index, "p1:1", 1)
+    d = route(router)
+    assert (d.pod, d.hit_blocks) == ("p1:1", 1)
+    router, index = make(loads={p: (None, None, None) for p in PODS})  # none known
+    hold(index, "p0:1", 10)
+    assert route(router).pod == "p0:1"
+
+
 def test_cold_requests_spread():
     router, _ = make(strategy="kv_aware", speculative_ttl_ms=0)
     seen = collections.Counter()

@@ -27,6 +27,15 @@ class KVCeilingFilter:
         return kept or cands
 
 
+class UnknownLoadFilter:
+    """Soft: a pod whose load entry expired (its /metrics went silent) is not
+    preferred over pods whose load is known, whatever prefix it holds."""
+
+    def __call__(self, cands: list[Candidate], cfg: RoutingConfig) -> list[Candidate]:
+        kept = [c for c in cands if c.load_known]
+        return kept or cands
+
+
 class ImbalanceGate:
     """Soft: when load is imbalanced (max - min > abs and max > rel * min, SGLang's
     rule), pods above both thresholds are hot and dropped, so no prefix hit

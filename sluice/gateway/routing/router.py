@@ -24,7 +24,12 @@ from sluice.gateway.local_index import LocalIndex
 from sluice.gateway.prefix_index import PrefixIndex
 from sluice.gateway.routing.candidate import Candidate
 from sluice.gateway.routing.config import RoutingConfig
-from sluice.gateway.routing.filters import HealthyFilter, ImbalanceGate, KVCeilingFilter
+from sluice.gateway.routing.filters import (
+    HealthyFilter,
+    ImbalanceGate,
+    KVCeilingFilter,
+    UnknownLoadFilter,
+)
 from sluice.gateway.routing.picker import MaxScorePicker
 from sluice.gateway.routing.scorers import (
     KVUsageScorer,
@@ -62,7 +67,7 @@ class Router:
         self.pending_prefill = pending_prefill
         self.block_size_of = block_size_of
         self.healthy = HealthyFilter(is_healthy)
-        self.soft_filters = [KVCeilingFilter(), ImbalanceGate()]
+        self.soft_filters = [UnknownLoadFilter(), KVCeilingFilter(), ImbalanceGate()]
         self.picker = MaxScorePicker(cfg.seed)
         self._rr = itertools.count()
         self._tasks: set[asyncio.Task] = set()
