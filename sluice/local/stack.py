@@ -82,6 +82,7 @@ class LocalStack:
         self.engine_specs: list[str] = []
         self.gateway: Child | None = None
         self.url = f"http://{cfg.host}:{cfg.port}"
+        _handed_out.add(cfg.port)  # the gateway binds it last: no child may take it
 
     def _python(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "sluice.cli", *args]
