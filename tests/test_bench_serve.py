@@ -79,3 +79,22 @@ def test_overhead_benchmark_runs_end_to_end():
     # phase means of the measured requests, from the gateway's own histograms
     assert 0 < report["gateway_routing_ms_mean"] < report["gateway_ms_p99"]
     assert 0 < report["gateway_upstream_ms_mean"] < report["gateway_ms_p99"]
+
+
+def test_a_failed_turn_fails_the_rest_of_its_session():
+    """Every turn of the workload is accounted for: a session whose turn fails
+    cannot go on, and its later turns count as failed."""
+    import asyncio
+
+    from engine_server import free_port
+    from test_gateway_proxy import Server, fake_engine
+
+    from sluice.bench.serve_client import run
+
+    requests = multi_turn_workload(3, 4, 20, 8, 2, TextMaker(random.Random(0)))
+    with Server(fake_engine("error500", {})) as up:
+        results, _ = asyncio.run(run(requests, up.url, "m", float("inf"), 2, 0))
+    assert len(results) == 12 and not any(r.ok for r in results)
+    dead = f"http://127.0.0.1:{free_port()}"
+    results, _ = asyncio.run(run(requests, dead, "m", float("inf"), 2, 0))
+    assert len(results) == 12

@@ -150,3 +150,18 @@ vllm:prefix_cache_hits_created{model_name="m"} 1.7e9
     assert (m.waiting, m.running, m.kv_usage, m.block_size, m.num_gpu_blocks) == (3, 2, 0.25, 16,
                                                                                   4096)
     assert (m.prefix_hits, m.prefix_queries) == (320, 640)
+
+
+def test_a_removed_pods_metric_series_go():
+    from prometheus_client import generate_latest
+
+    from sluice.gateway.metrics import GatewayMetrics
+
+    m = GatewayMetrics()
+    m.decisions.labels("kv_aware", "a:1").inc()
+    m.ttfb.labels("a:1").observe(0.1)
+    m.upstream.labels("b:1").observe(1.0)
+    m.forget_pod("a:1")
+    m.forget_pod("never-seen:1")
+    text = generate_latest(m.registry).decode()
+    assert "a:1" not in text and 'pod="b:1"' in text

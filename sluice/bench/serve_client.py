@@ -114,14 +114,19 @@ async def run(requests: list[Request], base_url: str, model: str, request_rate: 
                     progress.update(1)
                 return
             messages = list(req.messages or [])
-            for q in req.questions:
+            for turn, q in enumerate(req.questions):
                 messages.append({"role": "user", "content": q})
                 async with limit:
                     res = await send(client, base_url, model, req, messages)
                 results.append(res)
                 if progress is not None:
                     progress.update(1)
-                if not res.ok:
+                if not res.ok:  # the session cannot go on: its later turns fail too
+                    skipped = len(req.questions) - turn - 1
+                    results.extend(Result(ok=False, start=res.start, error="session ended "
+                                          "by an earlier failed turn") for _ in range(skipped))
+                    if progress is not None:
+                        progress.update(skipped)
                     return
                 messages.append({"role": "assistant", "content": res.text})
 

@@ -87,6 +87,7 @@ class Gateway:
                              lambda p: self.proxy.pending_prefill.get(p, 0))
         self.proxy = Proxy(cfg.proxy, self.http, self.health, self.metrics,
                            self.registry.url_of)
+        self.registry.on_remove.append(self.metrics.forget_pod)
         self.scraper = LoadScraper(self.loads, self.redis, self.registry.active, self.http,
                                    cfg.scrape_interval_s)
         self._tasks: list[asyncio.Task] = []

@@ -35,6 +35,17 @@ class GatewayMetrics:
         self.event_batches = Gauge("sluice_gateway_kv_event_batches",
                                    "KV event batches applied", registry=r)
 
+    def forget_pod(self, pod: str) -> None:
+        """Drop a removed pod's series (pods come and go; series must not pile up)."""
+        series = [(self.ttfb, (pod,)), (self.upstream, (pod,))] + [
+            (self.decisions, (s, pod)) for s in ("round_robin", "least_load", "prefix",
+                                                 "kv_aware")]
+        for metric, labels in series:
+            try:
+                metric.remove(*labels)
+            except KeyError:  # never observed
+                pass
+
     def set_mode(self, mode: str) -> None:
         for m in ("redis", "local", "local_only"):
             self.index_mode.labels(m).set(1 if m == mode else 0)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
-
 
 from sluice.gateway.discovery import Endpoint
 from sluice.gateway.event_feed import EventFeeder, EventSource
@@ -35,6 +35,7 @@ class PodRegistry:
         self._models: dict[str, list[str]] = {}     # pod -> its served models (active pods)
         self._pending: dict[str, asyncio.Task] = {}
         self._seen: set[str] = set()  # every model an engine has served (few)
+        self.on_remove: list[Callable[[str], None]] = []
 
     # -- queries ---------------------------------------------------------------------------
     def pods_for(self, model: str) -> list[str]:
@@ -87,6 +88,8 @@ class PodRegistry:
             self.feeder.remove(pod)
         self.loads.drop(pod)
         self.health.forget(pod)
+        for callback in self.on_remove:
+            callback(pod)
 
     def _activate(self, ep: Endpoint, models: list[str]) -> None:
         log.info("engine %s serves %s (pool %s/%s, events %s)", ep.pod, ",".join(models),
