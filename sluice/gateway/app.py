@@ -56,9 +56,11 @@ class GatewayConfig:
     max_failures: int = 3
     probe_interval_s: float = 1.0
     redis_timeout_s: float = 0.05
+    forget_pod_after_s: float = 30.0  # a removed pod's index entries are kept this long
 
     def __post_init__(self) -> None:
         assert self.max_body_bytes > 0 and self.scrape_interval_s > 0 and self.load_ttl_ms > 0
+        assert self.forget_pod_after_s >= 0
 
 
 class Gateway:
@@ -80,7 +82,7 @@ class Gateway:
         self.feeder = EventFeeder(self.index) if uses_events else None
         self.http = HttpPool()
         self.registry = PodRegistry(self.feeder, self.redis, self.loads, self.health,
-                                    self.http, cfg.probe_interval_s)
+                                    self.http, cfg.probe_interval_s, cfg.forget_pod_after_s)
         self.router = Router(cfg.routing, self.index, LocalIndex(cfg.local_index), self.loads,
                              self.health.is_healthy, lambda p: self.proxy.inflight.get(p, 0),
                              self.registry.block_size_of,
@@ -104,6 +106,7 @@ class Gateway:
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
+        self.registry.close()
         await self.discovery.stop()
         await self.scraper.stop()
         if self.feeder is not None:

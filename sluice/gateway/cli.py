@@ -42,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--read-timeout", type=float, default=300.0)
     p.add_argument("--scrape-interval", type=float, default=0.15)
     p.add_argument("--load-ttl-ms", type=int, default=1000)
+    p.add_argument("--forget-pod-after", type=float, default=30.0,
+                   help="seconds a removed (e.g. not Ready) pod's index entries are kept")
     p.add_argument("--log-level", default="info")
 
 
@@ -62,7 +64,8 @@ def build(args: argparse.Namespace):
                         proxy=ProxyConfig(args.max_retries, args.connect_timeout,
                                           args.read_timeout),
                         max_body_bytes=args.max_body_bytes,
-                        scrape_interval_s=args.scrape_interval, load_ttl_ms=args.load_ttl_ms)
+                        scrape_interval_s=args.scrape_interval, load_ttl_ms=args.load_ttl_ms,
+                        forget_pod_after_s=args.forget_pod_after)
     if args.discovery == "kubernetes":
         from sluice.gateway.k8s_discovery import KubernetesDiscovery
         discovery = KubernetesDiscovery(args.namespace, args.pool)

@@ -24,7 +24,7 @@ log = logging.getLogger("sluice.gateway.registry")
 class PodRegistry:
     def __init__(self, feeder: EventFeeder | None, redis_index: Any, loads: LoadTable,
                  health: HealthTracker, http: HttpPool,
-                 probe_interval_s: float = 1.0) -> None:
+                 probe_interval_s: float = 1.0, forget_after_s: float = 30.0) -> None:
         self.feeder = feeder
         self.redis = redis_index
         self.loads = loads
@@ -36,6 +36,13 @@ class PodRegistry:
         self._pending: dict[str, asyncio.Task] = {}
         self._seen: set[str] = set()  # every model an engine has served (few)
         self.on_remove: list[Callable[[str], None]] = []
+        # A removed pod's KV-event subscription and index entries are kept for
+        # `forget_after_s`: a pod that was only briefly not Ready comes back with
+        # its cache (and entries) intact instead of being purged from Redis for
+        # every gateway replica and replayed from 0. It is not routed to meanwhile.
+        self.forget_after_s = forget_after_s
+        self._subscribed: dict[str, EventSource] = {}
+        self._forget_later: dict[str, asyncio.TimerHandle] = {}
 
     # -- queries ---------------------------------------------------------------------------
     def pods_for(self, model: str) -> list[str]:
@@ -84,8 +91,9 @@ class PodRegistry:
         task = self._pending.pop(pod, None)
         if task is not None:
             task.cancel()
-        if self.feeder is not None:
-            self.feeder.remove(pod)
+        if pod in self._subscribed and pod not in self._forget_later:
+            self._forget_later[pod] = asyncio.get_running_loop().call_later(
+                self.forget_after_s, self._forget_index, pod)
         self.loads.drop(pod)
         self.health.forget(pod)
         for callback in self.on_remove:
@@ -96,13 +104,34 @@ class PodRegistry:
                  ep.namespace, ep.pool, ep.events or "none")
         self._models[ep.pod] = models
         self._seen.update(models)
-        if self.feeder is not None and ep.events:
-            self.feeder.add(EventSource(ep.pod, models[0], ep.events, ep.replay))
+        source = EventSource(ep.pod, models[0], ep.events, ep.replay) if ep.events else None
+        pending = self._forget_later.pop(ep.pod, None)
+        if pending is not None:  # back within the grace period
+            pending.cancel()
+        if self._subscribed.get(ep.pod) != source:
+            if ep.pod in self._subscribed:
+                self._forget_index(ep.pod)
+            if self.feeder is not None and source is not None:
+                self.feeder.add(source)
+                self._subscribed[ep.pod] = source
         if self.redis is not None:
             try:
                 self.redis.register_pod(ep.pod, ep.namespace, ep.pool, models[0])
             except Exception as err:  # noqa: BLE001 -- Redis down: meta is best effort
                 log.warning("could not register %s in redis: %s", ep.pod, err)
+
+    def _forget_index(self, pod: str) -> None:
+        """Unsubscribe from the pod's events and drop its index entries everywhere."""
+        handle = self._forget_later.pop(pod, None)
+        if handle is not None:
+            handle.cancel()
+        if self._subscribed.pop(pod, None) is not None and self.feeder is not None:
+            self.feeder.remove(pod)
+
+    def close(self) -> None:
+        for handle in self._forget_later.values():
+            handle.cancel()
+        self._forget_later.clear()
 
     async def _learn_models(self, ep: Endpoint) -> None:
         while True:

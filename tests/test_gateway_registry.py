@@ -1,0 +1,48 @@
+"""Pod registry: what a pod leaving and coming back does to the KV-event feed."""
+
+import asyncio
+from dataclasses import replace
+
+from sluice.gateway.discovery import Endpoint
+from sluice.gateway.health import HealthTracker
+from sluice.gateway.load import LoadTable
+from sluice.gateway.registry import PodRegistry
+
+
+class FakeFeeder:
+    def __init__(self):
+        self.calls = []
+
+    def add(self, source):
+        self.calls.append(("add", source.pod, source.endpoint))
+
+    def remove(self, pod):
+        self.calls.append(("remove", pod))
+
+
+def test_a_pod_briefly_gone_keeps_its_index_and_a_pod_gone_for_good_loses_it():
+    async def scenario():
+        feeder = FakeFeeder()
+        reg = PodRegistry(feeder, None, LoadTable(1000), HealthTracker(3, 1.0), None,
+                          forget_after_s=0.3)
+        removed = []
+        reg.on_remove.append(removed.append)
+        ep = Endpoint(pod="a:1", url="http://a:1", model="m", events="tcp://a:5557")
+        reg.update([ep])
+        assert feeder.calls == [("add", "a:1", "tcp://a:5557")] and reg.pods_for("m") == ["a:1"]
+        reg.update([])  # not Ready: no longer routed to, but still subscribed
+        assert reg.pods_for("m") == [] and removed == ["a:1"]
+        assert reg.may_serve("m")  # 503, not 404, meanwhile
+        await asyncio.sleep(0.1)
+        reg.update([ep])  # back within the grace period
+        await asyncio.sleep(0.4)
+        assert feeder.calls == [("add", "a:1", "tcp://a:5557")]  # nothing purged or replayed
+        reg.update([])
+        await asyncio.sleep(0.4)  # gone for good
+        assert feeder.calls[-1] == ("remove", "a:1")
+        reg.update([ep])
+        reg.update([replace(ep, events="tcp://a:6000")])  # another event endpoint
+        assert feeder.calls[-2:] == [("remove", "a:1"), ("add", "a:1", "tcp://a:6000")]
+        reg.close()
+
+    asyncio.run(scenario())
