@@ -37,6 +37,7 @@ class EngineProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
+        self.stop()  # never leave a half-started engine loading on a shared machine
         raise TimeoutError(f"engine not ready: {self.log_path.read_text()[-3000:]}")
 
     def metric(self, name: str, label: str = "") -> float:

@@ -21,7 +21,10 @@ PEERINGS = kube.ResourceRef("kopf.dev", "v1", "clusterkopfpeerings", namespaced=
 
 def _settings() -> kopf.OperatorSettings:
     settings = kopf.OperatorSettings()
-    settings.peering.lifetime = 2  # seconds a silent peer still counts as alive
+    # seconds a silent peer still counts as alive; kopf refreshes its entry about
+    # every lifetime - 5..10 s (at least 1 s), so a short lifetime would let one
+    # slow second on a loaded machine make the standby think the active one died
+    settings.peering.lifetime = 10
     settings.queueing.idle_timeout = 0.5
     settings.queueing.exit_timeout = 0.5
     settings.background.instant_exit_timeout = 0.05
@@ -47,7 +50,15 @@ def test_only_the_highest_priority_replica_acts_and_the_other_takes_over():
                     server, standalone=False, priority=10, settings=_settings()))
                 async with operator(server, standalone=False, priority=20,
                                     settings=_settings()) as high:
-                    await asyncio.sleep(1.0)  # both have announced themselves
+                    async def both_announced():
+                        peers = (await client.get(PEERINGS, None, "sluice")).get("status")
+                        return sorted(p["priority"] for p in (peers or {}).values()) == [10, 20]
+
+                    for _ in range(100):
+                        if await both_announced():
+                            break
+                        await asyncio.sleep(0.1)
+                    assert await both_announced()
                     await client.create(kube.POOLS, "default", POOL)
                     deployment = lambda: api.store.get(api.kind("deployments"), "default",
                                                        "smollm2-serve")
@@ -58,7 +69,7 @@ def test_only_the_highest_priority_replica_acts_and_the_other_takes_over():
                     assert sorted(p["priority"] for p in peers.values()) == [10, 20]
                 # the active replica is gone: the other resumes once its peer entry expires
                 await client.patch(kube.POOLS, "default", "smollm2", {"spec": {"replicas": 2}})
-                await eventually(lambda: deployment()["spec"]["replicas"] == 2, 10,
+                await eventually(lambda: deployment()["spec"]["replicas"] == 2, 30,
                                  "the standby replica took over")
                 assert low.reconciler.passes > 0
             await client.close()
