@@ -67,6 +67,13 @@ if seq >= 0 then redis.call('SET', seqk, seq) end
 return 1
 """
 
+# KEYS: the pod's seq key; ARGV: seq. Raises the stored seq to `seq`, never lowers it.
+RAISE_SEQ = """
+local last = tonumber(redis.call('GET', KEYS[1]) or '-1')
+if tonumber(ARGV[1]) > last then redis.call('SET', KEYS[1], ARGV[1]) return 1 end
+return 0
+"""
+
 # Keys travel as one argument, concatenated (each is KEY_WIDTH chars): redis-py
 # packs every argument separately in Python, which for the 512 keys of an
 # 8k-token prompt cost more than the lookup itself in Redis.
@@ -149,6 +156,7 @@ class RedisIndex:
         self.sync = sync_client
         self.aio = async_client
         self._apply = sync_client.register_script(APPLY)
+        self._raise_seq = sync_client.register_script(RAISE_SEQ)
         self._lookup = async_client.register_script(LOOKUP)
         self._spec = async_client.register_script(SPECULATE)
 
@@ -180,15 +188,18 @@ class RedisIndex:
 
     def resync(self, pod: str, seq: int, hashes: dict[str, str],
                block_size: int | None) -> None:
-        """Replace the pod's entries with `hashes` (the local view) at `seq`."""
+        """Replace the pod's entries with `hashes` (the local view) at `seq`.
+
+        Chunks are applied unconditionally and the seq is only raised at the end:
+        another replica applying the pod's next batch meanwhile (it sees no seq
+        after the purge) must not make this replica's last chunk look stale."""
         ik.purge_pods(self.sync, [pod], index_only=True)
         items = list(hashes.items())
         chunk = 5000
         for start in range(0, max(len(items), 1), chunk):
-            part = items[start:start + chunk]
-            last = start + chunk >= len(items)
-            self.apply(pod, seq if last else -1,
-                       encode_ops(part, [], False, block_size if start == 0 else None))
+            self.apply(pod, -1, encode_ops(items[start:start + chunk], [], False,
+                                           block_size if start == 0 else None))
+        self._raise_seq(keys=[ik.pod_seq_key(pod)], args=[seq])
 
     def register_pod(self, pod: str, namespace: str, pool: str, model: str) -> None:
         pipe = self.sync.pipeline(transaction=False)
