@@ -5,6 +5,7 @@ import time
 
 import pytest
 import redis
+import zmq
 from redis_server import RedisServer
 
 from sluice import index_keys as ik
@@ -60,6 +61,31 @@ def wait_for(cond, timeout=10.0):
 
 
 LOOP = asyncio.new_event_loop()
+
+
+def restarted_publisher(source):
+    """A new publisher on the endpoints of `source` (a restarted engine). ZMQ closes
+    sockets in its I/O thread, so the old ports may still be bound for a moment."""
+    port = source.endpoint.rsplit(":", 1)[1]
+    rport = source.replay_endpoint.rsplit(":", 1)[1]
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return KVEventPublisher(f"tcp://*:{port}", f"tcp://*:{rport}", topic="t")
+        except zmq.ZMQError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def publish_until(pub, cond, timeout=10.0):
+    """Publish harmless batches (removal of a block nobody holds) until `cond()`:
+    a subscriber drops what was sent before its connection was live."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        pub.publish([BlockRemoved(block_hashes=[987654321], medium="GPU")])
+        time.sleep(0.2)
 
 
 def hits(index, tokens, pods):
@@ -189,14 +215,11 @@ def test_engine_restart_drops_old_entries():
         assert hits(index, TOKENS, ["a:1"]) == {"a:1": 3}
         endpoint = a.source()
         a.pub.close()
-        time.sleep(0.1)
         # same endpoints, a new process: seq restarts at 0, different hashes
-        port = endpoint.endpoint.rsplit(":", 1)[1]
-        rport = endpoint.replay_endpoint.rsplit(":", 1)[1]
-        pub2 = KVEventPublisher(f"tcp://*:{port}", f"tcp://*:{rport}", topic="t")
-        time.sleep(0.5)
+        pub2 = restarted_publisher(endpoint)
         pub2.publish([stored([77], None, TOKENS[:4])])
-        wait_for(lambda: feeder.restarts == 1 and hits(index, TOKENS, ["a:1"]) == {"a:1": 1})
+        publish_until(pub2, lambda: feeder.restarts == 1)
+        wait_for(lambda: hits(index, TOKENS, ["a:1"]) == {"a:1": 1})
         assert feeder.errors == 0
         pub2.close()
     finally:
@@ -238,9 +261,10 @@ def test_bad_endpoint_does_not_stop_the_feed():
 
 
 def test_engine_restarted_while_the_gateway_was_away(srv):
-    """Redis says seq 3 was applied; the engine restarted meanwhile and is at seq 1:
-    its live batches are older by seq but newer by time, so its old entries go."""
-    a = Engine("a:1", 1)
+    """Redis says seq 19 was applied; the engine restarted meanwhile and is at seq 1:
+    its live batches are older by seq but newer by time, so its old entries go.
+    (Once a restarted engine's seq passes the stored one, nothing tells it apart.)"""
+    a = Engine("away:1", 1)
     index = make_index(srv.port)
     feeder = EventFeeder(index)
     feeder.start()
@@ -248,14 +272,13 @@ def test_engine_restarted_while_the_gateway_was_away(srv):
     time.sleep(0.3)
     for i in range(4):
         a.pub.publish([stored([a.h(i)], a.h(i - 1) if i else None, TOKENS[4 * i:4 * i + 4])])
-    wait_for(lambda: feeder.batches >= 4)
+    for _ in range(16):
+        a.pub.publish([BlockRemoved(block_hashes=[987654321], medium="GPU")])
+    wait_for(lambda: feeder.batches >= 20)
     feeder.stop()
     endpoint = a.source()
     a.pub.close()
-    time.sleep(0.1)
-    port = endpoint.endpoint.rsplit(":", 1)[1]
-    rport = endpoint.replay_endpoint.rsplit(":", 1)[1]
-    pub2 = KVEventPublisher(f"tcp://*:{port}", f"tcp://*:{rport}", topic="t")
+    pub2 = restarted_publisher(endpoint)
     pub2.publish([stored([90], None, TOKENS[:4])])        # seq 0
     pub2.publish([stored([91], 90, TOKENS[4:8])])         # seq 1
     index2 = make_index(srv.port)
@@ -263,19 +286,20 @@ def test_engine_restarted_while_the_gateway_was_away(srv):
     feeder2.start()
     try:
         feeder2.add(endpoint)
-        wait_for(lambda: hits(index2, TOKENS, ["a:1"]) == {"a:1": 4})  # stale, from Redis
-        time.sleep(0.3)
-        pub2.publish([stored([92], 91, TOKENS[8:12])])    # seq 2 < 3
-        wait_for(lambda: feeder2.restarts == 1
-                 and hits(index2, TOKENS, ["a:1"]) == {"a:1": 3})
-        assert index2.local.lookup(request_keys(MODEL, BS, TOKENS), ["a:1"], 0) == {"a:1": 3}
+        wait_for(lambda: hits(index2, TOKENS, ["away:1"]) == {"away:1": 4})  # stale, from Redis
+        wait_for(lambda: [s.last_seq for s in feeder2._pods.values()] == [19])
+        pub2.publish([stored([92], 91, TOKENS[8:12])])    # seq 2 < 19
+        publish_until(pub2, lambda: feeder2.restarts == 1)  # (if seq 2 came too early)
+        wait_for(lambda: hits(index2, TOKENS, ["away:1"]) == {"away:1": 3})
+        assert index2.local.lookup(request_keys(MODEL, BS, TOKENS), ["away:1"], 0) == {
+            "away:1": 3}
     finally:
         feeder2.stop()
         pub2.close()
 
 
 def test_pod_removed_during_an_outage_is_purged_on_recovery(srv):
-    a = Engine("a:1", 1)
+    a = Engine("gone:1", 1)
     index = make_index(srv.port)
     feeder = EventFeeder(index, recover_every_s=0.1)
     feeder.start()
@@ -285,15 +309,15 @@ def test_pod_removed_during_an_outage_is_purged_on_recovery(srv):
         time.sleep(0.3)
         a.pub.publish([stored([a.h(0)], None, TOKENS[:4])])
         wait_for(lambda: feeder.batches >= 1)
-        assert r.scard(ik.pod_keys_key("a:1")) == 1
+        assert r.scard(ik.pod_keys_key("gone:1")) == 1
         srv.pause()
         a.pub.publish([stored([a.h(1)], a.h(0), TOKENS[4:8])])
         wait_for(lambda: index.mode == "local")
-        feeder.remove("a:1")
-        wait_for(lambda: "a:1" not in feeder.pods())
+        feeder.remove("gone:1")
+        wait_for(lambda: "gone:1" not in feeder.pods())
         srv.resume()
         wait_for(lambda: index.mode == "redis")
-        assert not r.exists(ik.pod_keys_key("a:1")) and not r.exists(ik.pod_seq_key("a:1"))
+        assert not r.exists(ik.pod_keys_key("gone:1")) and not r.exists(ik.pod_seq_key("gone:1"))
         assert not r.exists(ik.block_key(request_keys(MODEL, BS, TOKENS)[0]))
     finally:
         feeder.stop()
