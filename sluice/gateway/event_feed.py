@@ -134,16 +134,9 @@ class EventFeeder:
             except queue.Empty:
                 return
             if cmd == "add" and arg.pod not in self._pods:
-                sub = self._ctx.socket(zmq.SUB)
-                sub.setsockopt(zmq.SUBSCRIBE, b"")
-                sub.setsockopt(zmq.RCVHWM, 100_000)
-                try:
-                    sub.connect(arg.endpoint)
-                except zmq.ZMQError as err:
-                    sub.close(linger=0)
-                    self.errors += 1
-                    log.error("%s: cannot subscribe to KV events at %r (%s): routed on load "
-                              "and speculative entries only", arg.pod, arg.endpoint, err)
+                sub = self._connect(zmq.SUB, arg.endpoint, arg.pod, "routed on load and "
+                                    "speculative entries only")
+                if sub is None:
                     continue
                 state = self._pods[arg.pod] = _PodState(arg, sub, self._replay_socket(arg))
                 poller.register(sub, zmq.POLLIN)
@@ -157,17 +150,25 @@ class EventFeeder:
     def _replay_socket(self, source: EventSource) -> zmq.Socket | None:
         if not source.replay_endpoint:
             return None
-        replay = self._ctx.socket(zmq.DEALER)
-        replay.setsockopt(zmq.LINGER, 0)
+        return self._connect(zmq.DEALER, source.replay_endpoint, source.pod, "no catch-up")
+
+    def _connect(self, kind: int, endpoint: str, pod: str, consequence: str
+                 ) -> zmq.Socket | None:
+        """A SUB (all topics) or DEALER socket connected to `endpoint`; None (logged and
+        counted) when the endpoint is not a valid ZMQ address."""
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if kind == zmq.SUB:
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.setsockopt(zmq.RCVHWM, 100_000)
         try:
-            replay.connect(source.replay_endpoint)
+            sock.connect(endpoint)
         except zmq.ZMQError as err:
-            replay.close(linger=0)
+            sock.close(linger=0)
             self.errors += 1
-            log.error("%s: bad KV-event replay endpoint %r (%s): no catch-up for it",
-                      source.pod, source.replay_endpoint, err)
+            log.error("%s: bad KV-event endpoint %r (%s): %s", pod, endpoint, err, consequence)
             return None
-        return replay
+        return sock
 
     def _close(self, state: _PodState) -> None:
         state.sub.close(linger=0)
