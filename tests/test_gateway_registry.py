@@ -46,3 +46,17 @@ def test_a_pod_briefly_gone_keeps_its_index_and_a_pod_gone_for_good_loses_it():
         reg.close()
 
     asyncio.run(scenario())
+
+
+def test_engine_specs():
+    import pytest
+
+    from sluice.gateway.discovery import parse_engine_spec
+
+    ep = parse_engine_spec("10.0.0.5:8000,events=tcp://10.0.0.5:5557,replay=ipc:///tmp/r,"
+                           "model=m,pool=p")
+    assert (ep.pod, ep.url, ep.events, ep.replay, ep.model, ep.pool) == (
+        "10.0.0.5:8000", "http://10.0.0.5:8000", "tcp://10.0.0.5:5557", "ipc:///tmp/r", "m", "p")
+    for bad in ("10.0.0.5", "h:1,events=h:5557", "h:1,replay=5558", "h:1,colour=red"):
+        with pytest.raises(ValueError):
+            parse_engine_spec(bad)

@@ -48,6 +48,9 @@ def parse_engine_spec(spec: str) -> Endpoint:
         key, sep, value = opt.partition("=")
         if not sep or key not in ("events", "replay", "model", "pool"):
             raise ValueError(f"bad engine option {opt!r} in {spec!r}")
+        if key in ("events", "replay") and not value.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"{key}= needs a ZMQ address (tcp://host:port or ipc://path): "
+                             f"{spec!r}")
         kv[key] = value
     return Endpoint(pod=f"{parsed.hostname}:{parsed.port}", url=url.rstrip("/"),
                     model=kv.get("model"), pool=kv.get("pool", "default"),
