@@ -143,9 +143,8 @@ def test_restarted_gateway_catches_up_by_replay(srv):
     index = make_index(srv.port)
     feeder = EventFeeder(index)
     feeder.start()
-    feeder.add(a.source())
-    time.sleep(0.3)
     a.pub.publish([stored([a.h(0), a.h(1)], None, TOKENS[:8])])
+    feeder.add(a.source())  # after: the replay from seq 0 delivers it (no slow joiner)
     wait_for(lambda: feeder.batches >= 1)
     feeder.stop()  # gateway goes away; the engine keeps caching
     a.pub.publish([stored([a.h(2)], a.h(1), TOKENS[8:12])])
@@ -177,9 +176,8 @@ def test_redis_outage_falls_back_and_resyncs(srv):
     feeder = EventFeeder(index, recover_every_s=0.1)
     feeder.start()
     try:
-        feeder.add(a.source())
-        time.sleep(0.3)
         a.pub.publish([stored([a.h(0)], None, TOKENS[:4])])
+        feeder.add(a.source())
         wait_for(lambda: feeder.batches >= 1)
         assert index.mode == "redis"
         srv.stop()
@@ -207,10 +205,9 @@ def test_engine_restart_drops_old_entries():
     feeder = EventFeeder(index)
     feeder.start()
     try:
-        feeder.add(a.source())
-        time.sleep(0.3)
         for i in range(3):
             a.pub.publish([stored([a.h(i)], a.h(i - 1) if i else None, TOKENS[4 * i:4 * i + 4])])
+        feeder.add(a.source())
         wait_for(lambda: feeder.batches >= 3)
         assert hits(index, TOKENS, ["a:1"]) == {"a:1": 3}
         endpoint = a.source()
@@ -249,9 +246,8 @@ def test_bad_endpoint_does_not_stop_the_feed():
     try:
         feeder.add(EventSource("bad:1", MODEL, "no-transport:5557", "also-bad"))
         wait_for(lambda: feeder.errors >= 1)
-        feeder.add(a.source())
-        time.sleep(0.3)
         a.pub.publish([stored([a.h(0)], None, TOKENS[:4])])
+        feeder.add(a.source())
         wait_for(lambda: hits(index, TOKENS, ["a:1"]) == {"a:1": 1})
         assert feeder.alive() and "bad:1" not in feeder.pods()
     finally:
@@ -268,12 +264,11 @@ def test_engine_restarted_while_the_gateway_was_away(srv):
     index = make_index(srv.port)
     feeder = EventFeeder(index)
     feeder.start()
-    feeder.add(a.source())
-    time.sleep(0.3)
     for i in range(4):
         a.pub.publish([stored([a.h(i)], a.h(i - 1) if i else None, TOKENS[4 * i:4 * i + 4])])
     for _ in range(16):
         a.pub.publish([BlockRemoved(block_hashes=[987654321], medium="GPU")])
+    feeder.add(a.source())
     wait_for(lambda: feeder.batches >= 20)
     feeder.stop()
     endpoint = a.source()
@@ -305,9 +300,8 @@ def test_pod_removed_during_an_outage_is_purged_on_recovery(srv):
     feeder.start()
     r = redis.Redis(port=srv.port)
     try:
-        feeder.add(a.source())
-        time.sleep(0.3)
         a.pub.publish([stored([a.h(0)], None, TOKENS[:4])])
+        feeder.add(a.source())
         wait_for(lambda: feeder.batches >= 1)
         assert r.scard(ik.pod_keys_key("gone:1")) == 1
         srv.pause()
