@@ -228,10 +228,10 @@ def test_speculative_entries_expire(srv):
     keys = request_keys(MODEL, BS, TOKENS)
 
     async def go():
-        await index.speculate("a:1", keys[:3], ttl_ms=300)
+        await index.speculate("a:1", keys[:3], ttl_ms=1500)
         index.local.clear("a:1")  # only Redis may answer now
         h1 = (await index.lookup(keys, ["a:1", "b:2"]))[0]
-        await asyncio.sleep(0.4)
+        await asyncio.sleep(1.6)
         h2 = (await index.lookup(keys, ["a:1", "b:2"]))[0]
         return h1, h2
 
