@@ -69,7 +69,7 @@ def fake_engine(mode, state):
 
 
 def gateway_app(upstreams, strategy="round_robin", read_timeout_s=5.0,
-                speculative_ttl_ms=60_000, **cfg):
+                speculative_ttl_ms=60_000, probe_interval_s=0.2, **cfg):
     """`upstreams`: (Server or a bare port, model) pairs; a model of None is asked
     from the pod."""
     eps = []
@@ -82,7 +82,7 @@ def gateway_app(upstreams, strategy="round_robin", read_timeout_s=5.0,
                            max_body_bytes=4096,
                            proxy=ProxyConfig(max_retries=2, connect_timeout_s=1,
                                              read_timeout_s=read_timeout_s),
-                           probe_interval_s=0.2, **cfg)
+                           probe_interval_s=probe_interval_s, **cfg)
     return create_app(Gateway(config, StaticDiscovery(eps)))
 
 
@@ -166,7 +166,8 @@ def test_known_model_without_a_ready_engine_is_503_not_404():
 def test_engine_silent_past_the_read_timeout_is_504_and_counts_as_a_failure():
     st = {}
     with Server(fake_engine("stall", st)) as up, \
-            Server(gateway_app([(up, "m")], read_timeout_s=0.3)) as gw:
+            Server(gateway_app([(up, "m")], read_timeout_s=0.3, probe_interval_s=60)) as gw:
+        # (its /health answers, so a probe would mark it healthy again: none runs here)
         for _ in range(3):
             r = post(gw.url, {"model": "m", "prompt": "hi"})
             assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
