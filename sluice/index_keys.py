@@ -60,6 +60,12 @@ def pod_seq_key(pod: str) -> str:
     return f"{PREFIX}pod:{pod}:seq"
 
 
+def pod_ts_key(pod: str) -> str:
+    """Timestamp of that batch: tells a restarted engine (seq back, newer time) from
+    a batch seen twice (seq back, same or older time)."""
+    return f"{PREFIX}pod:{pod}:ts"
+
+
 def pod_meta_key(pod: str) -> str:
     """HASH block_size / model / pool / namespace / topic of `pod`."""
     return f"{PREFIX}pod:{pod}:meta"
@@ -131,7 +137,7 @@ def purge_pods(redis_client: Any, pods: list[str], index_only: bool = False) -> 
             total += len(keys)
         if index_only:
             redis_client.delete(pod_keys_key(pod), pod_hashes_key(pod), pod_seq_key(pod),
-                                pod_spec_key(pod))
+                                pod_ts_key(pod), pod_spec_key(pod))
             continue
         ns = meta.get(b"namespace", meta.get("namespace"))
         pool = meta.get(b"pool", meta.get("pool"))
@@ -140,7 +146,7 @@ def purge_pods(redis_client: Any, pods: list[str], index_only: bool = False) -> 
             ns = ns.decode() if isinstance(ns, bytes) else ns
             pool = pool.decode() if isinstance(pool, bytes) else pool
             pipe.srem(pool_pods_key(ns, pool), pod)
-        pipe.delete(pod_keys_key(pod), pod_hashes_key(pod), pod_seq_key(pod),
+        pipe.delete(pod_keys_key(pod), pod_hashes_key(pod), pod_seq_key(pod), pod_ts_key(pod),
                     pod_meta_key(pod), pod_spec_key(pod), load_key(pod))
         pipe.execute()
     return total

@@ -16,8 +16,8 @@ class FakeFeeder:
     def add(self, source):
         self.calls.append(("add", source.pod, source.endpoint))
 
-    def remove(self, pod):
-        self.calls.append(("remove", pod))
+    def remove(self, pod, gone=True):
+        self.calls.append(("remove", pod) if gone else ("replace", pod))
 
 
 def test_a_pod_briefly_gone_keeps_its_index_and_a_pod_gone_for_good_loses_it():
@@ -42,7 +42,7 @@ def test_a_pod_briefly_gone_keeps_its_index_and_a_pod_gone_for_good_loses_it():
         assert feeder.calls[-1] == ("remove", "a:1")
         reg.update([ep])
         reg.update([replace(ep, events="tcp://a:6000")])  # another event endpoint
-        assert feeder.calls[-2:] == [("remove", "a:1"), ("add", "a:1", "tcp://a:6000")]
+        assert feeder.calls[-2:] == [("replace", "a:1"), ("add", "a:1", "tcp://a:6000")]
         reg.close()
 
     asyncio.run(scenario())

@@ -335,8 +335,42 @@ def test_resync_racing_another_replica_keeps_every_entry(srv, monkeypatch):
 
     monkeypatch.setattr(redis_index.ik, "purge_pods", purge_then_b_applies)
     hashes = {f"e{i}": f"{i:016x}" for i in range(12_000)}  # three chunks
-    a.resync("x:1", 5, hashes, BS)
+    a.resync("x:1", 5, 1.0, hashes, BS)
     r = redis.Redis(port=srv.port)
     assert r.get(ik.pod_seq_key("x:1")) == b"6"
     assert r.scard(ik.pod_keys_key("x:1")) == len(hashes) + 1
     assert not b.apply("x:1", 6, encode_ops([], [], False))  # 6 stays applied once
+
+
+def test_a_batch_seen_twice_after_warming_from_redis_is_no_restart(srv):
+    """Replica B reads pod X's position (seq 3, its ts) from Redis while batch 3 still
+    waits in its socket: that duplicate must not be taken for a restart (which would
+    purge X for every replica); a batch with seq back and a newer ts is one."""
+    from sluice.gateway.event_feed import _PodState
+    from sluice.kv_events import KVEventBatch, encode_batch
+
+    def batch(ts, events):
+        return encode_batch(KVEventBatch(ts=ts, events=events, data_parallel_rank=0))
+
+    index_a = make_index(srv.port)
+    for i in range(4):
+        index_a.apply("x:1", i, [(f"e{i}", request_keys(MODEL, BS, TOKENS)[i])], [], False, BS,
+                      ts=100.0 + i)
+    index_b = make_index(srv.port)
+    feeder = EventFeeder(index_b)  # not started: its handlers are driven by hand
+    state = _PodState(EventSource("x:1", MODEL, "tcp://127.0.0.1:1", None), None, None)
+    feeder._catch_up_new(state)
+    assert (state.last_seq, state.last_ts) == (3, 103.0)
+    feeder._on_live(state, [b"t", (3).to_bytes(8, "big"), batch(103.0, [])])
+    feeder._on_live(state, [b"t", (2).to_bytes(8, "big"), batch(102.0, [])])
+    assert feeder.restarts == 0 and hits(index_b, TOKENS, ["x:1"]) == {"x:1": 4}
+    feeder._on_live(state, [b"t", (0).to_bytes(8, "big"), batch(200.0, [
+        stored([1], None, TOKENS[:4])])])
+    assert feeder.restarts == 1 and hits(index_b, TOKENS, ["x:1"]) == {"x:1": 1}
+    r = redis.Redis(port=srv.port)
+    assert r.get(ik.pod_seq_key("x:1")) == b"0" and float(r.get(ik.pod_ts_key("x:1"))) == 200
+    # a batch that cannot be translated is skipped once (counted), not replayed forever
+    bad = BlockStored(block_hashes=[5], parent_block_hash=None, token_ids=[2**63 + 1] * 4,
+                      block_size=BS, lora_id=None, medium="GPU", lora_name=None)
+    feeder._on_live(state, [b"t", (1).to_bytes(8, "big"), batch(201.0, [bad])])
+    assert state.last_seq == 1 and feeder.errors == 1

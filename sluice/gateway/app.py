@@ -219,24 +219,21 @@ def _validate(kind: str, data: Any) -> tuple[str, str] | None:
             return "messages", "'messages' must be a non-empty list of objects"
     elif not _is_prompt(data.get("prompt")):
         return "prompt", ("'prompt' is required: a string, a list of strings, a list of "
-                          "token ids (integers 0 to 2^32-1) or a list of such lists")
+                          "token ids (0 to 2^32-1) or a list of such lists, not empty")
     if "stream" in data and not isinstance(data["stream"], bool):
         return "stream", "'stream' must be a boolean"
     return None
 
 
 def _is_prompt(p: Any) -> bool:
-    def ids(x: Any) -> bool:
-        return isinstance(x, list) and all(
-            type(t) is int and 0 <= t < 2**32 for t in x)  # noqa: E721 -- bool is no id
-
+    """A string or a non-empty list (of strings, token ids or lists of ids: the
+    engine judges the elements); integer ids must fit 0 .. 2^32-1."""
     if isinstance(p, str):
         return True
     if not isinstance(p, list) or not p:
         return False
-    if all(isinstance(x, str) for x in p) or ids(p):
-        return True
-    return all(ids(x) and x for x in p)
+    ids = [t for x in p for t in (x if isinstance(x, list) else [x])]
+    return all(0 <= t < 2**32 for t in ids if type(t) is int)  # noqa: E721
 
 
 GATEWAY = web.AppKey("gateway", Gateway)
@@ -254,6 +251,8 @@ async def _openai_errors(request: web.Request, handler) -> web.StreamResponse:
             k: v for k, v in exc.headers.items() if k.lower() == "allow"})
     except Exception:  # noqa: BLE001 -- a bug must still answer like the API
         log.exception("internal error on %s %s", request.method, request.path)
+        if request.writer is not None and request.writer.output_size > 0:
+            raise  # an answer already began: aiohttp closes the connection
         return error_response(500, "internal gateway error", "internal_error")
 
 

@@ -9,9 +9,11 @@ seq, read `(seq, payload)` until seq == -1.
   pod's last applied seq, warm the local view from Redis and replay from
   seq + 1 (a restarted gateway catches up); otherwise replay from 0.
 - Gap in live seqs: replay the missing range.
-- seq not newer than the last applied one but with a newer timestamp: the
-  engine restarted; its old entries are dropped and it is replayed from 0.
-- A replay request left unanswered gets a fresh DEALER (no stale answers).
+- seq not newer than the last applied one but with a newer timestamp (the last
+  one's is kept in Redis): the engine restarted; its old entries are dropped and
+  it is replayed from 0.
+- A replay answer not read to its end (timeout, malformed) leaves a fresh
+  DEALER behind (no stale answers); a batch that cannot be translated is skipped.
 - An error with one pod or batch is logged and counted; the thread goes on.
 - Between batches: `PrefixIndex.recover()` when Redis had been unreachable.
 Commands (add/remove pod) arrive through a bounded queue.
@@ -80,8 +82,9 @@ class EventFeeder:
     def add(self, source: EventSource) -> None:
         self._cmds.put(("add", source))
 
-    def remove(self, pod: str) -> None:
-        self._cmds.put(("remove", pod))
+    def remove(self, pod: str, gone: bool = True) -> None:
+        """Unsubscribe and drop the pod's entries (`PrefixIndex.forget_pod`)."""
+        self._cmds.put(("remove", (pod, gone)))
 
     def pods(self) -> list[str]:
         return list(self._pods)
@@ -141,11 +144,12 @@ class EventFeeder:
                 state = self._pods[arg.pod] = _PodState(arg, sub, self._replay_socket(arg))
                 poller.register(sub, zmq.POLLIN)
                 self._catch_up_new(state)
-            elif cmd == "remove" and arg in self._pods:
-                state = self._pods.pop(arg)
+            elif cmd == "remove" and arg[0] in self._pods:
+                pod, gone = arg
+                state = self._pods.pop(pod)
                 poller.unregister(state.sub)
                 self._close(state)
-                self.index.forget_pod(arg)
+                self.index.forget_pod(pod, gone)
 
     def _replay_socket(self, source: EventSource) -> zmq.Socket | None:
         if not source.replay_endpoint:
@@ -176,10 +180,10 @@ class EventFeeder:
             state.replay.close(linger=0)
 
     def _catch_up_new(self, state: _PodState) -> None:
-        stored = self.index.stored_seq(state.source.pod)
+        stored = self.index.stored_position(state.source.pod)
         if stored is not None:
-            self.index.warm_from_redis(state.source.pod, stored)
-            state.last_seq = stored
+            self.index.warm_from_redis(state.source.pod, *stored)
+            state.last_seq, state.last_ts = stored
         self._replay(state, state.last_seq + 1)
 
     def _replay(self, state: _PodState, start: int) -> None:
@@ -189,49 +193,61 @@ class EventFeeder:
         answer must not be read as the answer to the next request."""
         if state.replay is None:
             return
+        complete = False
+        try:
+            complete = self._read_replay(state, start)
+        finally:
+            if not complete:  # unread frames of this answer must not meet the next request
+                state.replay.close(linger=0)
+                state.replay = self._replay_socket(state.source)
+
+    def _read_replay(self, state: _PodState, start: int) -> bool:
+        """Send the request and apply the answer; True when it was read to its end."""
+        assert state.replay is not None
         state.replay.send_multipart((b"", start.to_bytes(8, "big")))
         deadline = time.monotonic() + self.replay_timeout_s
         for _ in range(self.max_replay_batches + 1):
             left = deadline - time.monotonic()
             if left <= 0 or not state.replay.poll(int(left * 1000)):
                 log.warning("replay from %s timed out", state.source.pod)
-                state.replay.close(linger=0)
-                state.replay = self._replay_socket(state.source)
-                return
+                return False
             frames = state.replay.recv_multipart()
             frames = frames[1:] if frames and frames[0] == b"" else frames
             if len(frames) < 2:
                 log.warning("%s: malformed replay answer (%d frames)", state.source.pod,
                             len(frames))
-                return
+                return False
             seq_bytes, payload = frames[-2], frames[-1]  # tolerate (topic, seq, payload)
             seq = int.from_bytes(seq_bytes, "big", signed=True)
             if seq < 0:
-                return
+                return True
             if seq > state.last_seq:
                 if state.last_seq >= 0 and seq > state.last_seq + 1:
                     log.warning("%s: events %d..%d are no longer in the engine's replay "
                                 "buffer", state.source.pod, state.last_seq + 1, seq - 1)
                 self._apply(state, seq, payload)
+        return False
 
     def _on_live(self, state: _PodState, frames: list[bytes]) -> None:
         if len(frames) != 3:
             return
         seq = int.from_bytes(frames[1], "big")
         if seq <= state.last_seq:
-            # Not newer: a duplicate of what a replay applied, or the engine restarted
-            # (its seq starts again at 0) -- told apart by the batch's timestamp. After
-            # a gateway restart last_ts is 0 until a batch is applied, so a pod whose
-            # seq went back while this gateway was away is recognised too.
+            # Not newer: a batch seen twice (replayed, or applied by another replica
+            # before this one read Redis), or the engine restarted (its seq starts
+            # again at 0) -- told apart by the batch's timestamp, kept in Redis next
+            # to the seq. Without one (0.0) only seq 0 counts as a restart.
             try:
                 ts = decode_batch(frames[2]).ts
             except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError):
                 return
-            if ts > state.last_ts:  # the engine restarted: its cache is empty
+            restarted = ts > state.last_ts if state.last_ts > 0 else (
+                seq == 0 and state.last_seq > 0)
+            if restarted:  # its cache is empty
                 log.warning("%s restarted (seq %d after %d): dropping its entries",
                             state.source.pod, seq, state.last_seq)
                 self.restarts += 1
-                self.index.forget_pod(state.source.pod)
+                self.index.forget_pod(state.source.pod, gone=False)
                 state.last_seq, state.last_ts = -1, 0.0
                 self._replay(state, 0)
                 if seq > state.last_seq:
@@ -251,8 +267,14 @@ class EventFeeder:
             state.last_seq = seq
             return
         pod = state.source.pod
-        t = translate(batch, state.source.model, lambda f: self.index.local.key_of(pod, f))
-        self.index.apply(pod, seq, t.stored, t.removed, t.cleared, t.block_size)
+        try:
+            t = translate(batch, state.source.model, lambda f: self.index.local.key_of(pod, f))
+        except (ValueError, TypeError, OverflowError, AssertionError) as err:
+            self.errors += 1
+            log.warning("%s: event batch %d skipped: %s", pod, seq, err)
+            state.last_seq = seq  # a bad batch is skipped once, not replayed forever
+            return
+        self.index.apply(pod, seq, t.stored, t.removed, t.cleared, t.block_size, batch.ts)
         state.last_seq, state.last_ts = seq, batch.ts
         self.batches += 1
         self.blocks += len(t.stored) + len(t.removed)

@@ -21,6 +21,7 @@ from redis.exceptions import RedisError
 
 from sluice.gateway.local_index import LocalIndex
 from sluice.gateway.redis_index import RedisIndex, encode_ops
+from sluice.index_keys import purge_pods
 
 log = logging.getLogger("sluice.gateway.index")
 
@@ -41,6 +42,7 @@ class PrefixIndex:
         self._degraded = redis is None
         self._slow = 0  # consecutive lookup timeouts
         self._last_seq: dict[str, int] = {}
+        self._last_ts: dict[str, float] = {}
         self._purge_later: set[str] = set()  # pods forgotten while Redis was down
         self._block_size: dict[str, int] = {}
         self.on_mode_change: list[Any] = []
@@ -64,7 +66,7 @@ class PrefixIndex:
 
     # -- feeder thread -------------------------------------------------------------------
     def apply(self, pod: str, seq: int, stored: list[tuple[str, str]], removed: list[str],
-              cleared: bool, block_size: int | None) -> None:
+              cleared: bool, block_size: int | None, ts: float = 0.0) -> None:
         """Apply one event batch of `pod` (already translated to request keys)."""
         if cleared:
             self.local.clear(pod)
@@ -72,50 +74,56 @@ class PrefixIndex:
             self.local.store(pod, stored)
         if removed:
             self.local.remove(pod, removed)
-        self._last_seq[pod] = seq
+        self._last_seq[pod], self._last_ts[pod] = seq, ts
         if block_size is not None:
             self._block_size[pod] = block_size
         if self.redis is None or self._degraded:
             return
         try:
-            self.redis.apply(pod, seq, encode_ops(stored, removed, cleared, block_size))
+            self.redis.apply(pod, seq, encode_ops(stored, removed, cleared, block_size), ts)
         except RedisError as err:
             self._degrade(err)
 
-    def forget_pod(self, pod: str) -> None:
-        """The pod is gone (or restarted): drop its entries everywhere."""
+    def forget_pod(self, pod: str, gone: bool = True) -> None:
+        """Drop the pod's index entries everywhere: it is gone (its registration,
+        pool membership and load entry go too) or, with `gone=False`, it restarted
+        or changed its event endpoint (they stay).
+
+        While Redis is down the purge waits for its return, and is then index-only:
+        the pod may have been registered again meanwhile."""
         self.local.clear(pod)
         self._last_seq.pop(pod, None)
+        self._last_ts.pop(pod, None)
         if self.redis is None:
             return
-        self._purge_later.add(pod)
-        if not self._degraded:
-            try:
-                self._purge_pending()
-            except RedisError as err:
-                self._degrade(err)
+        if self._degraded:
+            self._purge_later.add(pod)
+            return
+        try:
+            purge_pods(self.redis.sync, [pod], index_only=not gone)
+        except RedisError as err:
+            self._purge_later.add(pod)
+            self._degrade(err)
 
     def _purge_pending(self) -> None:
-        from sluice.index_keys import purge_pods
-
         for pod in list(self._purge_later):
-            if pod not in self._last_seq:  # not re-added meanwhile
-                purge_pods(self.redis.sync, [pod])
+            if pod not in self._last_seq:  # not fed again meanwhile (a re-sync covers that)
+                purge_pods(self.redis.sync, [pod], index_only=True)
             self._purge_later.discard(pod)
 
-    def stored_seq(self, pod: str) -> int | None:
-        """Seq last applied to Redis for `pod` (None: unknown / Redis down)."""
+    def stored_position(self, pod: str) -> tuple[int, float] | None:
+        """(seq, ts) last applied to Redis for `pod` (None: unknown / Redis down)."""
         if self.redis is None or self._degraded:
             return None
         try:
-            return self.redis.stored_seq(pod)
+            return self.redis.stored_position(pod)
         except RedisError as err:
             self._degrade(err)
             return None
 
-    def warm_from_redis(self, pod: str, seq: int) -> None:
-        """Load the pod's entries, applied up to `seq`, from Redis into the local view
-        (gateway restart)."""
+    def warm_from_redis(self, pod: str, seq: int, ts: float) -> None:
+        """Load the pod's entries, applied up to batch `seq` (of time `ts`), from Redis
+        into the local view (gateway restart)."""
         if self.redis is None or self._degraded:
             return
         try:
@@ -124,7 +132,7 @@ class PrefixIndex:
             self._degrade(err)
             return
         self.local.store(pod, list(hashes.items()))
-        self._last_seq[pod] = seq
+        self._last_seq[pod], self._last_ts[pod] = seq, ts
 
     def recover(self) -> bool:
         """If degraded and Redis answers again: re-sync every pod, back to redis mode."""
@@ -134,7 +142,8 @@ class PrefixIndex:
             self.redis.sync.ping()
             self._purge_pending()
             for pod, seq in list(self._last_seq.items()):
-                self.redis.resync(pod, seq, self.local.snapshot(pod), self._block_size.get(pod))
+                self.redis.resync(pod, seq, self._last_ts.get(pod, 0.0), self.local.snapshot(pod),
+                                  self._block_size.get(pod))
         except RedisError:
             return False
         with self._lock:
@@ -179,8 +188,7 @@ class PrefixIndex:
         try:
             async with asyncio.timeout(self.lookup_timeout_s * 4):
                 await self.redis.speculate(pod, keys, ttl_ms, t)
-            self._slow = 0
-        except TimeoutError:
+        except TimeoutError:  # (only a lookup in time resets the count)
             self._timed_out()
         except (RedisError, OSError) as err:
             self._degrade(err if isinstance(err, RedisError) else RedisError(repr(err)))

@@ -47,7 +47,8 @@ class PromptTokenizer:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch: route on its first prompt
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        if isinstance(prompt, list) and all(type(t) is int and 0 <= t < 2**32  # noqa: E721
+                                            for t in prompt):
             return list(prompt)
         if isinstance(prompt, str) and tok is not None:
             return tok.encode(prompt)

@@ -26,9 +26,10 @@ P = ik.PREFIX
 assert ik.block_key("K") == P + "blk:K" and ik.pod_spec_key("X") == P + "pod:X:spec"
 assert ik.pod_keys_key("X") == P + "pod:X:keys" and ik.pod_hashes_key("X") == P + "pod:X:ehash"
 assert ik.pod_seq_key("X") == P + "pod:X:seq" and ik.load_key("X") == P + "load:X"
+assert ik.pod_ts_key("X") == P + "pod:X:ts"
 
 # ARGV: prefix, pod, seq, ops = msgpack [cleared 0|1, block_size|0, stored fields,
-# stored keys, removed fields]; applied in that order (clear, store, remove).
+# stored keys, removed fields], batch ts; applied in that order (clear, store, remove).
 APPLY = """
 local P, pod, seq = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local seqk = P..'pod:'..pod..':seq'
@@ -63,14 +64,22 @@ for _, f in ipairs(rf) do
     redis.call('SREM', keys, k)
   end
 end
-if seq >= 0 then redis.call('SET', seqk, seq) end
+if seq >= 0 then
+  redis.call('SET', seqk, seq)
+  redis.call('SET', P..'pod:'..pod..':ts', ARGV[5])
+end
 return 1
 """
 
-# KEYS: the pod's seq key; ARGV: seq. Raises the stored seq to `seq`, never lowers it.
+# KEYS: the pod's seq and ts keys; ARGV: seq, ts. Raises the stored seq (and its ts)
+# to `seq`, never lowers it.
 RAISE_SEQ = """
 local last = tonumber(redis.call('GET', KEYS[1]) or '-1')
-if tonumber(ARGV[1]) > last then redis.call('SET', KEYS[1], ARGV[1]) return 1 end
+if tonumber(ARGV[1]) > last then
+  redis.call('SET', KEYS[1], ARGV[1])
+  redis.call('SET', KEYS[2], ARGV[2])
+  return 1
+end
 return 0
 """
 
@@ -167,28 +176,33 @@ class RedisIndex:
         Redis (3 retries with back-off) stalls ~10 s instead of `timeout_s`."""
         import redis
         import redis.asyncio as aredis
+        from redis.asyncio.retry import Retry as AsyncRetry
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
-        opts = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+        # health_check_interval: a connection idle that long is pinged before use,
+        # so one dropped by a NAT or load balancer is replaced, not an outage
+        opts = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
+                "health_check_interval": 10}
         return cls(redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **opts),
-                   aredis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **opts))
+                   aredis.Redis.from_url(url, retry=AsyncRetry(NoBackoff(), 0), **opts))
 
-    def apply(self, pod: str, seq: int, ops: bytes) -> bool:
+    def apply(self, pod: str, seq: int, ops: bytes, ts: float = 0.0) -> bool:
         """Apply one batch (seq < 0: unconditionally, seq untouched). False if stale."""
-        return bool(self._apply(args=[P, pod, seq, ops]))
+        return bool(self._apply(args=[P, pod, seq, ops, repr(float(ts))]))
 
-    def stored_seq(self, pod: str) -> int | None:
-        raw = self.sync.get(ik.pod_seq_key(pod))
-        return None if raw is None else int(raw)
+    def stored_position(self, pod: str) -> tuple[int, float] | None:
+        """(seq, ts) of the pod's last applied batch; ts 0.0 when unknown."""
+        seq, ts = self.sync.mget(ik.pod_seq_key(pod), ik.pod_ts_key(pod))
+        return None if seq is None else (int(seq), float(ts or 0.0))
 
     def load_hashes(self, pod: str) -> dict[str, str]:
         """The pod's engine-hash -> key map (to warm a restarted gateway)."""
         return {_s(f): _s(k) for f, k in self.sync.hgetall(ik.pod_hashes_key(pod)).items()}
 
-    def resync(self, pod: str, seq: int, hashes: dict[str, str],
+    def resync(self, pod: str, seq: int, ts: float, hashes: dict[str, str],
                block_size: int | None) -> None:
-        """Replace the pod's entries with `hashes` (the local view) at `seq`.
+        """Replace the pod's entries with `hashes` (the local view) at `seq` (`ts`).
 
         Chunks are applied unconditionally and the seq is only raised at the end:
         another replica applying the pod's next batch meanwhile (it sees no seq
@@ -199,7 +213,8 @@ class RedisIndex:
         for start in range(0, max(len(items), 1), chunk):
             self.apply(pod, -1, encode_ops(items[start:start + chunk], [], False,
                                            block_size if start == 0 else None))
-        self._raise_seq(keys=[ik.pod_seq_key(pod)], args=[seq])
+        self._raise_seq(keys=[ik.pod_seq_key(pod), ik.pod_ts_key(pod)],
+                        args=[seq, repr(float(ts))])
 
     def register_pod(self, pod: str, namespace: str, pool: str, model: str) -> None:
         pipe = self.sync.pipeline(transaction=False)

@@ -52,10 +52,9 @@ class PodRegistry:
         return sorted({m for models in self._models.values() for m in models})
 
     def may_serve(self, model: str) -> bool:
-        """Whether `model` may become servable again: an engine served it before, an
-        endpoint is configured with it, or an endpoint's model is still being asked."""
-        return (model in self._seen or bool(self._pending)
-                or any(e.model == model for e in self._endpoints.values()))
+        """Whether `model` may become servable again: an engine served it before or an
+        endpoint is configured with it (a name never seen stays a 404)."""
+        return model in self._seen or any(e.model == model for e in self._endpoints.values())
 
     def url_of(self, pod: str) -> str | None:
         ep = self._endpoints.get(pod)
@@ -109,8 +108,8 @@ class PodRegistry:
         if pending is not None:  # back within the grace period
             pending.cancel()
         if self._subscribed.get(ep.pod) != source:
-            if ep.pod in self._subscribed:
-                self._forget_index(ep.pod)
+            if ep.pod in self._subscribed:  # another event endpoint: the pod stays
+                self._forget_index(ep.pod, gone=False)
             if self.feeder is not None and source is not None:
                 self.feeder.add(source)
                 self._subscribed[ep.pod] = source
@@ -120,13 +119,14 @@ class PodRegistry:
             except Exception as err:  # noqa: BLE001 -- Redis down: meta is best effort
                 log.warning("could not register %s in redis: %s", ep.pod, err)
 
-    def _forget_index(self, pod: str) -> None:
-        """Unsubscribe from the pod's events and drop its index entries everywhere."""
+    def _forget_index(self, pod: str, gone: bool = True) -> None:
+        """Unsubscribe from the pod's events and drop its index entries everywhere
+        (with its registration when it is `gone`)."""
         handle = self._forget_later.pop(pod, None)
         if handle is not None:
             handle.cancel()
         if self._subscribed.pop(pod, None) is not None and self.feeder is not None:
-            self.feeder.remove(pod)
+            self.feeder.remove(pod, gone)
 
     def close(self) -> None:
         for handle in self._forget_later.values():

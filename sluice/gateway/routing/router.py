@@ -99,7 +99,9 @@ class Router:
             c.total_blocks = len(keys_by_size[bs])
         shared_loads = await self._fill_hits(strategy, cands, keys_by_size)
         now = time.time() * 1000.0
-        loads = shared_loads if shared_loads is not None else self.loads.fresh(now)
+        loads = self.loads.fresh(now)
+        if shared_loads is not None:  # Redis's figures win; local ones fill any gap
+            loads.update(shared_loads)
         for c in cands:
             row = loads.get(c.pod)
             if row is not None and now - row["ts_ms"] < self.loads.ttl_ms:
