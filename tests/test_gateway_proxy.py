@@ -99,6 +99,7 @@ def test_bad_input_is_openai_shaped():
                  (json.dumps({"model": "nope", "prompt": "x"}).encode(), 404),
                  (json.dumps({"model": "m", "prompt": "x" * 5000}).encode(), 413),
                  (b'{"model": "m", "prompt": ' + b"[" * 1800 + b"]" * 1800 + b"}", 400),
+                 (json.dumps({"model": "m", "prompt": [[[1]]]}).encode(), 400),
                  (json.dumps({"model": "m", "prompt": [2**70, 1]}).encode(), 400),
                  (json.dumps({"model": "m", "prompt": [-1]}).encode(), 400),
                  (json.dumps({"model": "m", "prompt": [[5, 2**40]]}).encode(), 400),

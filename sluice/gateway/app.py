@@ -226,13 +226,16 @@ def _validate(kind: str, data: Any) -> tuple[str, str] | None:
 
 
 def _is_prompt(p: Any) -> bool:
-    """A string or a non-empty list (of strings, token ids or lists of ids: the
-    engine judges the elements); integer ids must fit 0 .. 2^32-1."""
+    """A string or a non-empty list of strings, token ids or lists of ids (the
+    engine judges the element types); nothing nested deeper; integer ids must
+    fit 0 .. 2^32-1."""
     if isinstance(p, str):
         return True
     if not isinstance(p, list) or not p:
         return False
     ids = [t for x in p for t in (x if isinstance(x, list) else [x])]
+    if any(isinstance(t, (list, dict)) for t in ids):
+        return False
     return all(0 <= t < 2**32 for t in ids if type(t) is int)  # noqa: E721
 
 
