@@ -135,9 +135,10 @@ def purge_pods(redis_client: Any, pods: list[str], index_only: bool = False) -> 
                 pipe.srem(block_key(k), pod)
             pipe.execute()
             total += len(keys)
+        index_entries = (pod_keys_key(pod), pod_hashes_key(pod), pod_seq_key(pod),
+                         pod_ts_key(pod), pod_spec_key(pod))
         if index_only:
-            redis_client.delete(pod_keys_key(pod), pod_hashes_key(pod), pod_seq_key(pod),
-                                pod_ts_key(pod), pod_spec_key(pod))
+            redis_client.delete(*index_entries)
             continue
         ns = meta.get(b"namespace", meta.get("namespace"))
         pool = meta.get(b"pool", meta.get("pool"))
@@ -146,7 +147,6 @@ def purge_pods(redis_client: Any, pods: list[str], index_only: bool = False) -> 
             ns = ns.decode() if isinstance(ns, bytes) else ns
             pool = pool.decode() if isinstance(pool, bytes) else pool
             pipe.srem(pool_pods_key(ns, pool), pod)
-        pipe.delete(pod_keys_key(pod), pod_hashes_key(pod), pod_seq_key(pod), pod_ts_key(pod),
-                    pod_meta_key(pod), pod_spec_key(pod), load_key(pod))
+        pipe.delete(*index_entries, pod_meta_key(pod), load_key(pod))
         pipe.execute()
     return total

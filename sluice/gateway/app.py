@@ -32,7 +32,7 @@ from sluice.gateway.load import LoadScraper, LoadTable
 from sluice.gateway.local_index import LocalIndex, LocalIndexConfig
 from sluice.gateway.metrics import GatewayMetrics
 from sluice.gateway.prefix_index import PrefixIndex
-from sluice.gateway.prompt import PromptTokenizer
+from sluice.gateway.prompt import PromptTokenizer, is_token_id
 from sluice.gateway.proxy import Proxy, ProxyConfig
 from sluice.gateway.redis_index import RedisIndex
 from sluice.gateway.registry import PodRegistry
@@ -236,7 +236,7 @@ def _is_prompt(p: Any) -> bool:
     ids = [t for x in p for t in (x if isinstance(x, list) else [x])]
     if any(isinstance(t, (list, dict)) for t in ids):
         return False
-    return all(0 <= t < 2**32 for t in ids if type(t) is int)  # noqa: E721
+    return all(is_token_id(t) for t in ids if isinstance(t, int) and not isinstance(t, bool))
 
 
 GATEWAY = web.AppKey("gateway", Gateway)

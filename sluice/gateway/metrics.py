@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from sluice.gateway.routing.config import STRATEGIES
+
 _LAT = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -38,8 +40,7 @@ class GatewayMetrics:
     def forget_pod(self, pod: str) -> None:
         """Drop a removed pod's series (pods come and go; series must not pile up)."""
         series = [(self.ttfb, (pod,)), (self.upstream, (pod,))] + [
-            (self.decisions, (s, pod)) for s in ("round_robin", "least_load", "prefix",
-                                                 "kv_aware")]
+            (self.decisions, (s, pod)) for s in STRATEGIES]
         for metric, labels in series:
             try:
                 metric.remove(*labels)

@@ -41,8 +41,7 @@ class PrefixIndex:
         self._lock = threading.Lock()
         self._degraded = redis is None
         self._slow = 0  # consecutive lookup timeouts
-        self._last_seq: dict[str, int] = {}
-        self._last_ts: dict[str, float] = {}
+        self._position: dict[str, tuple[int, float]] = {}  # pod -> last applied (seq, ts)
         self._purge_later: set[str] = set()  # pods forgotten while Redis was down
         self._block_size: dict[str, int] = {}
         self.on_mode_change: list[Any] = []
@@ -74,7 +73,7 @@ class PrefixIndex:
             self.local.store(pod, stored)
         if removed:
             self.local.remove(pod, removed)
-        self._last_seq[pod], self._last_ts[pod] = seq, ts
+        self._position[pod] = (seq, ts)
         if block_size is not None:
             self._block_size[pod] = block_size
         if self.redis is None or self._degraded:
@@ -92,8 +91,7 @@ class PrefixIndex:
         While Redis is down the purge waits for its return, and is then index-only:
         the pod may have been registered again meanwhile."""
         self.local.clear(pod)
-        self._last_seq.pop(pod, None)
-        self._last_ts.pop(pod, None)
+        self._position.pop(pod, None)
         if self.redis is None:
             return
         if self._degraded:
@@ -107,7 +105,7 @@ class PrefixIndex:
 
     def _purge_pending(self) -> None:
         for pod in list(self._purge_later):
-            if pod not in self._last_seq:  # not fed again meanwhile (a re-sync covers that)
+            if pod not in self._position:  # not fed again meanwhile (a re-sync covers that)
                 purge_pods(self.redis.sync, [pod], index_only=True)
             self._purge_later.discard(pod)
 
@@ -132,7 +130,7 @@ class PrefixIndex:
             self._degrade(err)
             return
         self.local.store(pod, list(hashes.items()))
-        self._last_seq[pod], self._last_ts[pod] = seq, ts
+        self._position[pod] = (seq, ts)
 
     def recover(self) -> bool:
         """If degraded and Redis answers again: re-sync every pod, back to redis mode."""
@@ -141,15 +139,14 @@ class PrefixIndex:
         try:
             self.redis.sync.ping()
             self._purge_pending()
-            for pod, seq in list(self._last_seq.items()):
-                self.redis.resync(pod, seq, self._last_ts.get(pod, 0.0), self.local.snapshot(pod),
-                                  self._block_size.get(pod))
+            for pod, (seq, ts) in list(self._position.items()):
+                self.redis.resync(pod, seq, ts, self.local.snapshot(pod), self._block_size.get(pod))
         except RedisError:
             return False
         with self._lock:
             self._degraded = False
             self._slow = 0
-        log.warning("redis is back: index re-synced for %d pods", len(self._last_seq))
+        log.warning("redis is back: index re-synced for %d pods", len(self._position))
         for cb in self.on_mode_change:
             cb(self.mode)
         return True

@@ -15,6 +15,11 @@ from sluice.gateway.segment_encoder import SegmentEncoder
 from sluice.tokenizer import Tokenizer
 
 
+def is_token_id(t: object) -> bool:
+    """An integer that fits the uint32 the request keys hash (bools are not ids)."""
+    return type(t) is int and 0 <= t < 2**32  # noqa: E721
+
+
 class PromptTokenizer:
     def __init__(self, by_model: dict[str, Tokenizer], default: Tokenizer | None = None) -> None:
         self.by_model = dict(by_model)
@@ -41,14 +46,14 @@ class PromptTokenizer:
                 return None
             kwargs = dict(body.get("chat_template_kwargs") or {})
             text = tok.apply_chat_template(
-                template_messages(body["messages"]), add_generation_prompt=body.get("add_generation_prompt", True),
+                template_messages(body["messages"]),
+                add_generation_prompt=body.get("add_generation_prompt", True),
                 tools=body.get("tools"), **kwargs)
             return self._encoders[id(tok)].encode(text)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch: route on its first prompt
-        if isinstance(prompt, list) and all(type(t) is int and 0 <= t < 2**32  # noqa: E721
-                                            for t in prompt):
+        if isinstance(prompt, list) and all(is_token_id(t) for t in prompt):
             return list(prompt)
         if isinstance(prompt, str) and tok is not None:
             return tok.encode(prompt)

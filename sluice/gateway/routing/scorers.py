@@ -11,7 +11,8 @@ produced a first token yet + this prompt's blocks the pod lacks (Dynamo's
 the pod's load entry, this gateway's in-flight requests to it), and the maxima
 are over the candidates. A pod whose load entry expired (unknown) is filtered
 out while any pod's load is known (`UnknownLoadFilter`); if none is known, it
-gets 0 for the queue and KV terms. least_load uses the last two terms only. Higher is better.
+gets 0 for the queue and KV terms. least_load uses the last two terms only.
+Higher is better.
 """
 
 from __future__ import annotations
