@@ -99,9 +99,10 @@ class Router:
             c.total_blocks = len(keys_by_size[bs])
         shared_loads = await self._fill_hits(strategy, cands, keys_by_size)
         now = time.time() * 1000.0
-        loads = self.loads.fresh(now)
-        if shared_loads is not None:  # Redis's figures win; local ones fill any gap
-            loads.update(shared_loads)
+        loads = shared_loads
+        if loads is None or any(c.pod not in loads for c in cands):
+            # Redis down, or without some pod's entry: local scrapes fill the gaps
+            loads = {**self.loads.fresh(now), **(loads or {})}
         for c in cands:
             row = loads.get(c.pod)
             if row is not None and now - row["ts_ms"] < self.loads.ttl_ms:
