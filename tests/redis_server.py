@@ -18,8 +18,9 @@ from sluice.local.stack import free_port
 
 
 class RedisServer:
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, extra_args: tuple[str, ...] = ()) -> None:
         self.port = port or free_port()
+        self.extra_args = extra_args
         self._dir = tempfile.mkdtemp(prefix="sluice-redis-")
         self._proc: subprocess.Popen | None = None
 
@@ -31,7 +32,7 @@ class RedisServer:
         assert self._proc is None
         self._proc = subprocess.Popen(
             [REDIS_SERVER_PATH, "--port", str(self.port), "--bind", "127.0.0.1",
-             "--save", "", "--appendonly", "no", "--dir", self._dir],
+             "--save", "", "--appendonly", "no", "--dir", self._dir, *self.extra_args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:

@@ -63,9 +63,6 @@ def main() -> int:
     p.add_argument("--lookups", type=int, default=500)
     args = p.parse_args()
 
-    import redis
-    import redis.asyncio as aredis
-
     from sluice.gateway.block_keys import request_keys
     from sluice.gateway.event_feed import EventFeeder, EventSource
     from sluice.gateway.local_index import LocalIndex
@@ -80,9 +77,9 @@ def main() -> int:
         from redis_server import RedisServer
         server = RedisServer().start()
         url = server.url
-    sync, aio = redis.Redis.from_url(url), aredis.Redis.from_url(url)
-    sync.flushdb()
-    index = PrefixIndex(LocalIndex(), RedisIndex(sync, aio), lookup_timeout_s=1.0)
+    shared = RedisIndex.from_url(url, 1.0)
+    shared.sync.flushdb()
+    index = PrefixIndex(LocalIndex(), shared, lookup_timeout_s=1.0)
     feeder = EventFeeder(index)
     feeder.start()
     import multiprocessing as mp

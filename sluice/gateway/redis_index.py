@@ -1,7 +1,8 @@
 """The shared prefix index and load table in Redis (layout: `sluice.index_keys`).
 
-Writes come from each gateway's event feeder thread (sync client), reads from
-request handlers (asyncio client). Every multi-key operation is one Lua script,
+Writes come from each gateway's event feeder thread (redis-py's sync client),
+reads and speculative writes from request handlers (`RespClient`, a lean
+asyncio client: redis-py's costs ~120 us of Python per call). Every multi-key operation is one Lua script,
 so it is atomic and costs one round trip:
 
 - `apply(pod, seq, ops)`: applies one event batch unless `seq` is not newer
@@ -19,6 +20,7 @@ from typing import Any
 import msgspec
 
 from sluice import index_keys as ik
+from sluice.gateway.resp_client import RespClient, Script
 
 _pack = msgspec.msgpack.Encoder().encode
 
@@ -161,13 +163,13 @@ def encode_ops(stored: list[tuple[str, str]], removed: list[str], cleared: bool,
 class RedisIndex:
     """Thin typed wrapper over the scripts; raises redis errors to the caller."""
 
-    def __init__(self, sync_client: Any, async_client: Any) -> None:
+    def __init__(self, sync_client: Any, async_client: RespClient) -> None:
         self.sync = sync_client
         self.aio = async_client
         self._apply = sync_client.register_script(APPLY)
         self._raise_seq = sync_client.register_script(RAISE_SEQ)
-        self._lookup = async_client.register_script(LOOKUP)
-        self._spec = async_client.register_script(SPECULATE)
+        self._lookup = Script(async_client, LOOKUP)
+        self._spec = Script(async_client, SPECULATE)
 
     @classmethod
     def from_url(cls, url: str, timeout_s: float) -> RedisIndex:
@@ -175,8 +177,6 @@ class RedisIndex:
         has its own fallback (the local view), and a retried call against a hung
         Redis (3 retries with back-off) stalls ~10 s instead of `timeout_s`."""
         import redis
-        import redis.asyncio as aredis
-        from redis.asyncio.retry import Retry as AsyncRetry
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
@@ -185,7 +185,7 @@ class RedisIndex:
         opts = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
                 "health_check_interval": 10}
         return cls(redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **opts),
-                   aredis.Redis.from_url(url, retry=AsyncRetry(NoBackoff(), 0), **opts))
+                   RespClient(url, connect_timeout_s=timeout_s, health_check_interval_s=10))
 
     def apply(self, pod: str, seq: int, ops: bytes, ts: float = 0.0) -> bool:
         """Apply one batch (seq < 0: unconditionally, seq untouched). False if stale."""
@@ -237,11 +237,11 @@ class RedisIndex:
             await self._spec(args=[P, pod, now_ms + ttl_ms, ttl_ms, _blob(keys)])
 
     async def write_loads(self, loads: dict[str, dict[str, float]], ttl_ms: int) -> None:
-        pipe = self.aio.pipeline(transaction=False)
+        cmds: list[tuple] = []
         for pod, fields in loads.items():
-            pipe.hset(ik.load_key(pod), mapping=fields)
-            pipe.pexpire(ik.load_key(pod), ttl_ms)
-        await pipe.execute()
+            cmds.append(("HSET", ik.load_key(pod), *(x for kv in fields.items() for x in kv)))
+            cmds.append(("PEXPIRE", ik.load_key(pod), ttl_ms))
+        await self.aio.pipeline(cmds)
 
 
 def _blob(keys: list[str]) -> str:
