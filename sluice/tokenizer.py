@@ -26,6 +26,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
+from sluice.byte_level_fast import FastByteLevelEncoder
 from sluice.chat_template import REASONING_FIELDS, compile_template, plain
 from sluice.gguf_tokenizer import gguf_byte_level_tokenizer
 
@@ -81,6 +82,7 @@ class Tokenizer:
     ) -> None:
         """`special_tokens` ({"bos_token": text, ...}) are chat-template variables."""
         self._tok = backend
+        self._fast = FastByteLevelEncoder.build(backend)
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.eos_token_ids: frozenset[int] = frozenset(
@@ -140,7 +142,12 @@ class Tokenizer:
         return self._tok
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; special tokens written in the text are matched whole."""
+        """Token ids of `text`; special tokens written in the text are matched whole.
+
+        ASCII text takes the exact fast path when the tokenizer has one (the
+        post-processors it allows add no ids, so `add_special_tokens` is moot)."""
+        if self._fast is not None and text.isascii():
+            return self._fast.encode(text)
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
