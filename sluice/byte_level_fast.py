@@ -15,10 +15,11 @@ form), so merges are never reimplemented.
 Exactness: built only for configurations it reproduces: no normalizer;
 pre-tokenizer ByteLevel(add_prefix_space=False, use_regex=True), alone or after
 Digits(individual_digits=True); a BPE model without dropout, byte fallback or
-word affixes; no post-processor that adds ids; added tokens without
-lstrip / rstrip / single_word. `FastByteLevelEncoder.build` returns None for
-anything else, and callers send non-ASCII text to HF. Tests compare it with HF
-on fuzzed text.
+word affixes; no post-processor that adds ids; no truncation or padding; only
+special added tokens (HF matches non-special ones in a second pass), none with
+lstrip / rstrip / single_word; `encode_special_tokens` off.
+`FastByteLevelEncoder.build` returns None for anything else, and callers send
+non-ASCII text to HF. Tests compare it with HF on fuzzed text.
 """
 
 from __future__ import annotations
@@ -72,7 +73,9 @@ def _eligible_pre_tokenizer(pre: Any) -> bool | None:
 
 
 class FastByteLevelEncoder:
-    MAX_CACHED_PIECES = 200_000
+    MAX_CACHED_PIECES = 100_000
+    MAX_CACHED_PIECE_CHARS = 64  # longer pieces are rare; caching them would let
+                                 # request text grow the cache without bound
 
     def __init__(self, model: Any, individual_digits: bool,
                  added: dict[str, int]) -> None:
@@ -97,11 +100,14 @@ class FastByteLevelEncoder:
                 or model.get("type") != "BPE" or model.get("dropout") is not None
                 or model.get("byte_fallback") or model.get("continuing_subword_prefix")
                 or model.get("end_of_word_suffix")
-                or (post is not None and post.get("type") != "ByteLevel")):
+                or (post is not None and post.get("type") != "ByteLevel")
+                or cfg.get("truncation") is not None or cfg.get("padding") is not None
+                or getattr(backend, "encode_special_tokens", False)):
             return None
         added = {}
         for tok in cfg.get("added_tokens", []):
-            if tok.get("lstrip") or tok.get("rstrip") or tok.get("single_word") or \
+            if not tok.get("special") or tok.get("lstrip") or tok.get("rstrip") or \
+                    tok.get("single_word") or not tok["content"] or \
                     not tok["content"].isascii():
                 return None
             added[tok["content"]] = tok["id"]
@@ -127,8 +133,9 @@ class FastByteLevelEncoder:
             got = cache.get(piece)
             if got is None:
                 got = [t.id for t in self._model.tokenize(piece.translate(self._to_byte_level))]
-                if len(cache) >= self.MAX_CACHED_PIECES:
-                    cache.clear()
-                cache[piece] = got
+                if len(piece) <= self.MAX_CACHED_PIECE_CHARS:
+                    if len(cache) >= self.MAX_CACHED_PIECES:
+                        cache.clear()
+                    cache[piece] = got
             ids += got
         return ids

@@ -81,10 +81,35 @@ def test_configurations_it_does_not_reproduce_get_no_fast_path(default_backend, 
     assert FastByteLevelEncoder.build(_variant(default_backend, **changes)) is None
 
 
-def test_added_token_with_lstrip_gets_no_fast_path(default_backend):
+@pytest.mark.parametrize("field", ["lstrip", "rstrip", "single_word"])
+def test_added_token_with_lstrip_rstrip_or_single_word_gets_no_fast_path(default_backend, field):
     cfg = json.loads(default_backend.to_str())
-    cfg["added_tokens"][1]["lstrip"] = True
+    cfg["added_tokens"][1][field] = True
     assert FastByteLevelEncoder.build(HFTokenizer.from_str(json.dumps(cfg))) is None
+
+
+def test_non_special_added_tokens_get_no_fast_path(default_backend):
+    # HF matches special tokens first and non-special ones in what is left:
+    # with special "bc" and non-special "ab", "abc" is [a, bc], not [ab, c]
+    backend = HFTokenizer.from_str(default_backend.to_str())
+    backend.add_special_tokens(["bc"])
+    backend.add_tokens(["ab"])
+    assert FastByteLevelEncoder.build(backend) is None
+
+
+def test_truncation_padding_or_encode_special_tokens_get_no_fast_path(default_backend):
+    for change in (lambda b: b.enable_truncation(8), lambda b: b.enable_padding(length=16),
+                   lambda b: setattr(b, "encode_special_tokens", True)):
+        backend = HFTokenizer.from_str(default_backend.to_str())
+        change(backend)
+        assert FastByteLevelEncoder.build(backend) is None
+
+
+def test_long_pieces_are_encoded_but_not_cached(default_backend):
+    fast = FastByteLevelEncoder.build(default_backend)
+    text = " " + "x" * 1000 + " " + "ab" * 50
+    assert fast.encode(text) == default_backend.encode(text).ids
+    assert all(len(piece) <= fast.MAX_CACHED_PIECE_CHARS for piece in fast._cache)
 
 
 def test_tokenizer_sends_non_ascii_text_to_hf():

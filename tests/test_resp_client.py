@@ -57,7 +57,7 @@ def test_a_caller_that_stops_waiting_does_not_shift_later_replies():
 def test_connection_loss_fails_pending_calls_and_the_next_call_reconnects():
     with RedisServer() as srv:
         async def main():
-            c = RespClient(srv.url, connect_timeout_s=0.5)
+            c = RespClient(srv.url, timeout_s=0.5)
             await c.call("SET", "k", "1")
             srv.stop()
             with pytest.raises(RedisConnectionError):
@@ -82,6 +82,53 @@ def test_a_connection_closed_by_redis_while_idle_is_replaced_before_use():
         run(main())
 
 
+class SilentProxy:
+    """TCP proxy to Redis whose existing connections can be made to go silent
+    (bytes are swallowed, sockets stay open); new connections still forward."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.silent = False
+        self.connections = 0
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def _serve(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        rr, rw = await asyncio.open_connection("127.0.0.1", self.port)
+        born_silent = self.silent
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            while data := await src.read(65536):
+                if not (self.silent and not born_silent):
+                    dst.write(data)
+        await asyncio.gather(pump(cr, rw), pump(rr, cw), return_exceptions=True)
+
+
+def test_a_connection_gone_silent_is_replaced_after_the_timeout():
+    with RedisServer() as srv:
+        async def main():
+            proxy = SilentProxy(srv.port)
+            port = await proxy.start()
+            c = RespClient(f"redis://127.0.0.1:{port}/0", timeout_s=0.3)
+            assert await c.call("PING") == b"PONG"
+            proxy.silent = True  # the current connection now swallows everything
+            for _ in range(3):
+                with pytest.raises(TimeoutError):
+                    async with asyncio.timeout(0.05):
+                        await c.call("PING")
+            await asyncio.sleep(0.35)
+            proxy.silent = False  # (only the next connection is not silent)
+            async with asyncio.timeout(5):  # (on the silent connection it would never answer)
+                assert await c.call("PING") == b"PONG"  # a new connection
+            assert proxy.connections == 2
+            proxy.server.close()
+            await c.aclose()
+        run(main())
+
+
 def test_password_and_database_from_the_url_and_no_password_in_errors():
     with RedisServer(extra_args=("--requirepass", "s3cret")) as srv:
         async def main():
@@ -95,12 +142,28 @@ def test_password_and_database_from_the_url_and_no_password_in_errors():
                 await bad.call("PING")
             assert "wrong-pass" not in str(err.value)
         run(main())
-    refused = RespClient("redis://:s3cret@127.0.0.1:1/0", connect_timeout_s=0.5)
+    refused = RespClient("redis://:s3cret@127.0.0.1:1/0", timeout_s=0.5)
     with pytest.raises(RedisConnectionError) as err:
         run(refused.call("PING"))
     assert "s3cret" not in str(err.value)
     with pytest.raises(ValueError):
         RespClient("http://127.0.0.1:6379")
+    with pytest.raises(ValueError):
+        RespClient("redis://127.0.0.1:6379/0?socket_timeout=5")  # not silently ignored
+
+
+def test_url_options_are_read_as_redis_py_reads_them(tmp_path):
+    sock = tmp_path / "a b" / "redis.sock"
+    sock.parent.mkdir()
+    with RedisServer(extra_args=("--requirepass", "pw", "--unixsocket", str(sock))) as srv:
+        async def main():
+            c = RespClient(f"redis://127.0.0.1:{srv.port}?password=pw&db=2")
+            await c.call("SET", "k", "v2")
+            u = RespClient(f"unix://{str(sock).replace(' ', '%20')}?db=2&password=pw")
+            assert await u.call("GET", "k") == b"v2"
+            await c.aclose()
+            await u.aclose()
+        run(main())
 
 
 def test_script_is_loaded_when_redis_does_not_have_it():

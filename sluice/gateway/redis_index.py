@@ -185,7 +185,7 @@ class RedisIndex:
         opts = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
                 "health_check_interval": 10}
         return cls(redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **opts),
-                   RespClient(url, connect_timeout_s=timeout_s, health_check_interval_s=10))
+                   RespClient(url, timeout_s=timeout_s, health_check_interval_s=10))
 
     def apply(self, pod: str, seq: int, ops: bytes, ts: float = 0.0) -> bool:
         """Apply one batch (seq < 0: unconditionally, seq untouched). False if stale."""

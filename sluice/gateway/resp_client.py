@@ -16,11 +16,17 @@ Contract:
   connection fails every pending call with `redis.exceptions.ConnectionError`,
   and the next call connects again. No call is retried: callers have their
   own fallback.
+- A connection whose oldest unanswered call is older than `timeout_s` is
+  replaced before the next call (the calls waiting on it fail): a Redis that
+  went silent without closing the connection is not waited on for good.
 - A connection idle for `health_check_interval_s` is pinged before its next
   use and replaced if the ping fails, so one dropped while idle (by a NAT or a
-  Redis restart) does not fail a request.
-- URLs: `redis://[[user]:password@]host[:port][/db]`, `rediss://` (TLS) and
-  `unix:///path[?db=N]`. The password never appears in errors or logs.
+  Redis restart) does not fail a request. Connects and these pings are shared
+  by the callers that wait for them and are not cancelled with one of them.
+- URLs are parsed by redis-py (`redis://[[user]:password@]host[:port][/db]`,
+  `?password=`, `rediss://` with its `ssl_*` options, `unix:///path[?db=N]`),
+  so both clients of a gateway read one URL alike; other URL options are an
+  error. The password never appears in errors or logs.
 """
 
 from __future__ import annotations
@@ -32,9 +38,10 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlparse
+from urllib.parse import urlparse
 
 import hiredis
+from redis.connection import parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
@@ -59,7 +66,7 @@ class _Protocol(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.reader = hiredis.Reader(replyError=ResponseError)
-        self.waiting: deque[asyncio.Future] = deque()
+        self.waiting: deque[tuple[asyncio.Future, float]] = deque()  # (future, sent at)
         self.lost: Exception | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -71,13 +78,11 @@ class _Protocol(asyncio.Protocol):
             try:
                 reply = self.reader.gets()
             except hiredis.ProtocolError as err:
-                assert self.transport is not None
-                self.transport.close()
-                self.connection_lost(err)
+                self.fail(RedisConnectionError(f"Redis protocol error: {err}"))
                 return
             if reply is False:
                 return
-            fut = self.waiting.popleft()
+            fut, _ = self.waiting.popleft()
             if fut.done():  # its caller stopped waiting
                 continue
             if isinstance(reply, ResponseError):
@@ -86,41 +91,73 @@ class _Protocol(asyncio.Protocol):
                 fut.set_result(reply)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.fail(RedisConnectionError(f"connection to Redis lost: {exc or 'closed'}"))
+
+    def fail(self, err: Exception) -> None:
+        """Close the connection; every call still waiting on it fails with `err`."""
         if self.lost is None:
-            self.lost = RedisConnectionError(f"connection to Redis lost: {exc or 'closed'}")
+            self.lost = err
+        if self.transport is not None:
+            self.transport.close()
         while self.waiting:
-            fut = self.waiting.popleft()
+            fut, _ = self.waiting.popleft()
             if not fut.done():
-                fut.set_exception(self.lost)
+                fut.set_exception(RedisConnectionError(str(self.lost)))
+
+    def stalled(self, now: float, timeout_s: float) -> bool:
+        """The oldest unanswered call was sent more than `timeout_s` ago."""
+        return bool(self.waiting) and now - self.waiting[0][1] > timeout_s
 
     def send(self, payload: bytes, n: int) -> list[asyncio.Future]:
         if self.lost is not None:
-            raise self.lost
+            raise RedisConnectionError(str(self.lost))
         assert self.transport is not None
         loop = asyncio.get_running_loop()
+        now = time.monotonic()
         futs = [loop.create_future() for _ in range(n)]
-        self.waiting.extend(futs)
+        self.waiting.extend((f, now) for f in futs)
         self.transport.write(payload)
         return futs
 
 
+_SSL_OPTIONS = ("ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile",
+                "ssl_check_hostname")
+
+
+def _ssl_context(opts: dict[str, Any]) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=opts.get("ssl_ca_certs"))
+    if opts.get("ssl_certfile"):
+        ctx.load_cert_chain(opts["ssl_certfile"], opts.get("ssl_keyfile"))
+    reqs = opts.get("ssl_cert_reqs", "required")
+    if opts.get("ssl_check_hostname") is False or reqs in ("none", "optional", ssl.CERT_NONE):
+        ctx.check_hostname = False
+    if reqs in ("none", ssl.CERT_NONE):
+        ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
 class RespClient:
-    def __init__(self, url: str, connect_timeout_s: float = 1.0,
+    def __init__(self, url: str, timeout_s: float = 1.0,
                  health_check_interval_s: float = 10.0) -> None:
-        u = urlparse(url)
-        if u.scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"unsupported Redis URL scheme {u.scheme!r}")
-        self._unix = u.path if u.scheme == "unix" else None
-        self._host, self._port = u.hostname or "127.0.0.1", u.port or 6379
-        self._ssl = ssl.create_default_context() if u.scheme == "rediss" else None
-        db = parse_qs(u.query).get("db", [""])[0] or (u.path.strip("/") if not self._unix else "")
-        self._db = int(db or 0)
-        self._auth = ([unquote(u.username)] if u.username else []) + (
-            [unquote(u.password)] if u.password is not None else [])
-        self.connect_timeout_s = connect_timeout_s
+        """`timeout_s` bounds a connect and a connection's silence: once the oldest
+        unanswered call is older than that, the next call replaces the connection
+        (the pending calls fail), as redis-py's `socket_timeout` does."""
+        if urlparse(url).scheme not in ("redis", "rediss", "unix"):
+            raise ValueError("unsupported Redis URL scheme (redis://, rediss:// or unix://)")
+        opts = parse_url(url)  # redis-py's own parsing: the clients agree on every URL
+        unsupported = set(opts) - {"host", "port", "path", "db", "username", "password",
+                                   "connection_class", *_SSL_OPTIONS}
+        if unsupported:
+            raise ValueError(f"unsupported Redis URL options: {sorted(unsupported)}")
+        self._unix = opts.get("path")
+        self._host, self._port = opts.get("host") or "127.0.0.1", opts.get("port") or 6379
+        self._ssl = _ssl_context(opts) if urlparse(url).scheme == "rediss" else None
+        self._db = int(opts.get("db") or 0)
+        self._auth = [a for a in (opts.get("username"), opts.get("password")) if a is not None]
+        self.timeout_s = timeout_s
         self.health_check_interval_s = health_check_interval_s
         self._proto: _Protocol | None = None
-        self._lock = asyncio.Lock()
+        self._establishing: asyncio.Task | None = None
         self._last_used = 0.0
 
     def _where(self) -> str:
@@ -129,7 +166,7 @@ class RespClient:
     async def _connect(self) -> _Protocol:
         loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(self.connect_timeout_s):
+            async with asyncio.timeout(self.timeout_s):
                 if self._unix:
                     _, proto = await loop.create_unix_connection(_Protocol, self._unix)
                 else:
@@ -141,44 +178,56 @@ class RespClient:
         setup = ([("AUTH", *self._auth)] if self._auth else []) + (
             [("SELECT", self._db)] if self._db else [])
         try:
-            async with asyncio.timeout(self.connect_timeout_s):
+            async with asyncio.timeout(self.timeout_s):
                 await _replies(proto.send(b"".join(map(encode_command, setup)), len(setup)))
         except BaseException as err:
-            assert proto.transport is not None
-            proto.transport.close()
+            proto.fail(RedisConnectionError("connection setup failed"))
             if isinstance(err, TimeoutError):
                 raise RedisConnectionError(f"Redis at {self._where()} did not answer") from None
             raise
         return proto
 
-    async def _ready(self) -> _Protocol:
+    async def _establish(self) -> _Protocol:
+        """A working connection: the current one if a PING shows it still answers
+        (it was idle), else a new one."""
         proto = self._proto
-        idle = time.monotonic() - self._last_used
-        if proto is not None and proto.lost is None and idle < self.health_check_interval_s:
-            return proto
-        async with self._lock:
-            if self._proto is not None and self._proto.lost is None:
-                if time.monotonic() - self._last_used < self.health_check_interval_s:
-                    return self._proto
-                try:  # idle for long: make sure the connection still works
-                    async with asyncio.timeout(self.connect_timeout_s):
-                        await self._proto.send(encode_command(("PING",)), 1)[0]
-                    self._last_used = time.monotonic()
-                    return self._proto
-                except (RedisConnectionError, TimeoutError):
-                    self._drop()
-            self._proto = await self._connect()
-            self._last_used = time.monotonic()
-            return self._proto
+        if proto is not None and proto.lost is None:
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    await proto.send(encode_command(("PING",)), 1)[0]
+                return proto
+            except (RedisConnectionError, TimeoutError):
+                proto.fail(RedisConnectionError("Redis did not answer a health check"))
+        self._proto = await self._connect()
+        return self._proto
+
+    async def _ready(self) -> _Protocol:
+        now = time.monotonic()
+        proto = self._proto
+        if proto is not None and proto.lost is None:
+            if proto.stalled(now, self.timeout_s):
+                proto.fail(RedisConnectionError(
+                    f"Redis did not answer for {self.timeout_s:g} s: connection replaced"))
+            elif now - self._last_used < self.health_check_interval_s:
+                self._last_used = now
+                return proto
+        if self._establishing is None or self._establishing.done():
+            # one shared attempt, shielded: a caller's own deadline must not cancel
+            # a connect (or a health check) that the next callers then wait for
+            task = asyncio.get_running_loop().create_task(self._establish())
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved
+            self._establishing = task
+        proto = await asyncio.shield(self._establishing)
+        self._last_used = time.monotonic()
+        return proto
 
     def _drop(self) -> None:
-        if self._proto is not None and self._proto.transport is not None:
-            self._proto.transport.close()
+        if self._proto is not None:
+            self._proto.fail(RedisConnectionError("client closed"))
         self._proto = None
 
     async def call(self, *args: Arg) -> Any:
         proto = await self._ready()
-        self._last_used = time.monotonic()
         return await proto.send(encode_command(args), 1)[0]
 
     async def pipeline(self, commands: list[tuple[Arg, ...]]) -> list[Any]:
@@ -186,11 +235,12 @@ class RespClient:
         if not commands:
             return []
         proto = await self._ready()
-        self._last_used = time.monotonic()
         return await _replies(proto.send(b"".join(map(encode_command, commands)),
                                          len(commands)))
 
     async def aclose(self) -> None:
+        if self._establishing is not None:
+            self._establishing.cancel()
         self._drop()
 
 
