@@ -23,9 +23,11 @@ import time
 import numpy as np
 
 
-def _publisher(endpoint_q, go, n_blocks: int, per_event: int, per_batch: int) -> None:
-    """Child process: build the batches, publish them when told to, then exit. Until
-    then it publishes a no-op batch every 50 ms, so the parent can tell that its
+def _publisher(endpoint_q, go, done, n_blocks: int, per_event: int, per_batch: int) -> None:
+    """Child process: build the batches, publish them when told to, then exit once
+    the parent is `done` reading them (closing the PUB socket earlier would drop
+    what is still queued in it for a subscriber that is behind). Until told to go
+    it publishes a no-op batch every 50 ms, so the parent can tell that its
     subscription is live (a PUB socket drops what it sends before that)."""
     from sluice.engine.kv_publisher import KVEventPublisher
     from sluice.kv_events import BlockRemoved, BlockStored
@@ -49,6 +51,7 @@ def _publisher(endpoint_q, go, n_blocks: int, per_event: int, per_batch: int) ->
         pub.publish([BlockRemoved(block_hashes=[0], medium="GPU")])  # unknown hash: no-op
     for events in batches:
         pub.publish(events)
+    done.wait(600)
     pub.close(timeout=60)
 
 
@@ -85,8 +88,8 @@ def main() -> int:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    endpoint_q, go = ctx.Queue(), ctx.Event()
-    child = ctx.Process(target=_publisher, args=(endpoint_q, go, args.blocks,
+    endpoint_q, go, done = ctx.Queue(), ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_publisher, daemon=True, args=(endpoint_q, go, done, args.blocks,
                                                  args.blocks_per_event, args.events_per_batch))
     child.start()
     feeder.add(EventSource("bench:1", "m", endpoint_q.get(timeout=120), None))
@@ -108,6 +111,7 @@ def main() -> int:
         time.sleep(0.01)
     ingest_s = time.perf_counter() - t0
     blocks = feeder.blocks
+    done.set()
     feeder.stop()
     child.join(60)
 
