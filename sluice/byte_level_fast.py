@@ -16,8 +16,8 @@ Exactness: built only for configurations it reproduces: no normalizer;
 pre-tokenizer ByteLevel(add_prefix_space=False, use_regex=True), alone or after
 Digits(individual_digits=True); a BPE model without dropout, byte fallback or
 word affixes; no post-processor that adds ids; no truncation or padding; only
-special added tokens (HF matches non-special ones in a second pass), none with
-lstrip / rstrip / single_word; `encode_special_tokens` off.
+special added tokens in ASCII (HF matches non-special ones in a second pass),
+none with lstrip / rstrip / single_word; `encode_special_tokens` off.
 `FastByteLevelEncoder.build` returns None for anything else, and callers send
 non-ASCII text to HF. Tests compare it with HF on fuzzed text.
 """
@@ -106,9 +106,10 @@ class FastByteLevelEncoder:
             return None
         added = {}
         for tok in cfg.get("added_tokens", []):
+            if not tok["content"].isascii():
+                continue  # never found in ASCII text
             if not tok.get("special") or tok.get("lstrip") or tok.get("rstrip") or \
-                    tok.get("single_word") or not tok["content"] or \
-                    not tok["content"].isascii():
+                    tok.get("single_word") or not tok["content"]:
                 return None
             added[tok["content"]] = tok["id"]
         return cls(backend.model, digits, added)

@@ -97,6 +97,16 @@ def test_non_special_added_tokens_get_no_fast_path(default_backend):
     assert FastByteLevelEncoder.build(backend) is None
 
 
+def test_added_tokens_outside_ascii_do_not_matter(default_backend):
+    backend = HFTokenizer.from_str(default_backend.to_str())
+    backend.add_special_tokens(["<｜fim▁hole｜>"])
+    backend.add_tokens(["ünïcode"])
+    fast = FastByteLevelEncoder.build(backend)
+    assert fast is not None
+    for text in ["<|im_start|>user\nhi 42<|im_end|>", "fim hole <|fim", "unicode 'll"]:
+        assert fast.encode(text) == backend.encode(text).ids
+
+
 def test_truncation_padding_or_encode_special_tokens_get_no_fast_path(default_backend):
     for change in (lambda b: b.enable_truncation(8), lambda b: b.enable_padding(length=16),
                    lambda b: setattr(b, "encode_special_tokens", True)):
