@@ -79,6 +79,8 @@ def test_overhead_benchmark_runs_end_to_end():
     # phase means of the measured requests, from the gateway's own histograms
     assert 0 < report["gateway_routing_ms_mean"] < report["gateway_ms_p99"]
     assert 0 < report["gateway_upstream_ms_mean"] < report["gateway_ms_p99"]
+    # the gateway process's CPU over the measured requests (Linux /proc), per request
+    assert 0 < report["gateway_cpu_ms_per_request"] < 1000
 
 
 def test_a_failed_turn_fails_the_rest_of_its_session():

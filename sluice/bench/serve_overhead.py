@@ -8,7 +8,8 @@ so only the HTTP path is measured), a redis-server and a `sluice gateway`
 sends the same Poisson stream of small completions (a different ~200-token
 prompt each, so no tokenization is reused) once directly to the upstream and
 once through the gateway, and reports latency percentiles of both and their
-difference.
+difference, the gateway's mean routing and upstream times (its histograms) and
+its CPU time per request (from /proc: steadier than latency on shared cores).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import subprocess
 import sys
@@ -127,6 +129,16 @@ def _gateway_sums(url: str) -> dict[str, tuple[float, float]]:
     return {k: (v[0], v[1]) for k, v in sums.items()}
 
 
+def _cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) a process has used so far; None off Linux."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _means_ms(before: dict, after: dict) -> dict[str, float]:
     """Mean of each histogram over the requests between `before` and `after`, in ms."""
     out = {}
@@ -172,9 +184,12 @@ def main() -> int:
         prompts = [maker.text(200) for _ in range(args.requests)]
         asyncio.run(drive(gw, [maker.text(200) for _ in range(100)], 50, 1))  # warm-up
         direct = asyncio.run(drive(up, prompts, args.rate, 0))
-        before = _gateway_sums(gw)
+        before, cpu0 = _gateway_sums(gw), _cpu_s(procs[-1].pid)
         via = asyncio.run(drive(gw, prompts, args.rate, 0))
         phases = _means_ms(before, _gateway_sums(gw))
+        cpu1 = _cpu_s(procs[-1].pid)
+        if cpu0 is not None and cpu1 is not None:  # includes its scrapes and probes
+            phases["gateway_cpu_ms_per_request"] = 1000 * (cpu1 - cpu0) / len(prompts)
     finally:
         for proc in reversed(procs):
             proc.terminate()
