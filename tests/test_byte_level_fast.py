@@ -125,5 +125,6 @@ def test_long_pieces_are_encoded_but_not_cached(default_backend):
 def test_tokenizer_sends_non_ascii_text_to_hf():
     tok = Tokenizer.from_path(resolve_default_model())
     assert tok._fast is not None
-    for text in ["héllo wörld 12", "emoji 😀 and 'll", "nbsp\u00a0x", "ascii only 'll 42", "literal ĠĠ Ċ byte chars"]:
+    for text in ["héllo wörld 12", "emoji 😀 and 'll", "nbsp\u00a0x", "ascii only 'll 42",
+                 "literal ĠĠ Ċ byte chars"]:
         assert tok.encode(text) == tok.backend.encode(text).ids

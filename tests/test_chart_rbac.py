@@ -53,8 +53,11 @@ def test_operator_cluster_role_covers_every_request_it_makes():
                 switched = copy.deepcopy({"spec": {"replicas": None, "autoscaling": None,
                                                    "roles": {"prefill": {}, "decode": {}}}})
                 await client.patch(kube.POOLS, "default", "smollm2", switched)
-                await eventually(lambda: len(api.store.list(api.kind("deployments"),
-                                                            "default")) == 2, 5, "pruned")
+                # the roles' deployments and no other (a count of 2 was also met while
+                # the new ones were being created, before the old one was deleted)
+                await eventually(lambda: sorted(d["metadata"]["name"] for d in api.store.list(
+                    api.kind("deployments"), "default")) == ["smollm2-decode",
+                                                              "smollm2-prefill"], 5, "pruned")
                 await client.delete(kube.POOLS, "default", "smollm2")
                 await eventually(lambda: not api.store.list(api.kind("inferencepools"),
                                                             "default"), 5, "deleted")

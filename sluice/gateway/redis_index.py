@@ -2,8 +2,8 @@
 
 Writes come from each gateway's event feeder thread (redis-py's sync client),
 reads and speculative writes from request handlers (`RespClient`, a lean
-asyncio client: redis-py's costs ~120 us of Python per call). Every multi-key operation is one Lua script,
-so it is atomic and costs one round trip:
+asyncio client: redis-py's costs ~120 us of Python per call). Every multi-key
+operation is one Lua script, so it is atomic and costs one round trip:
 
 - `apply(pod, seq, ops)`: applies one event batch unless `seq` is not newer
   than the pod's stored seq. With several gateway replicas each applying every
