@@ -374,3 +374,31 @@ def test_a_batch_seen_twice_after_warming_from_redis_is_no_restart(srv):
                       block_size=BS, lora_id=None, medium="GPU", lora_name=None)
     feeder._on_live(state, [b"t", (1).to_bytes(8, "big"), batch(201.0, [bad])])
     assert state.last_seq == 1 and feeder.errors == 1
+
+
+def test_batches_missed_before_the_first_live_one_are_replayed():
+    """A new pod whose catch-up replay found nothing, then whose first live batch is
+    not seq 0 (batches sent before the subscription went live were dropped by the
+    PUB socket): the missed ones are replayed, not lost."""
+    from sluice.gateway.event_feed import _PodState
+    from sluice.kv_events import KVEventBatch, encode_batch
+
+    a = Engine("a:1", 1)
+    index = make_index(None)
+    feeder = EventFeeder(index)  # not started: its live path is driven by hand
+    b0 = [stored([a.h(0), a.h(1)], None, TOKENS[:8])]
+    b1 = [stored([a.h(2)], a.h(1), TOKENS[8:12])]
+    a.pub.publish(b0)  # no subscriber yet: dropped live, kept for replay
+    a.pub.publish(b1)
+    wait_for(lambda: len(a.pub._buffer) == 2)
+    source = a.source()
+    state = _PodState(source, feeder._ctx.socket(zmq.SUB), feeder._replay_socket(source))
+    try:
+        assert state.last_seq == -1  # what an empty catch-up leaves
+        payload = encode_batch(KVEventBatch(ts=time.time(), events=b1, data_parallel_rank=0))
+        feeder._on_live(state, [b"kv", (1).to_bytes(8, "big"), payload])
+        assert state.last_seq == 1
+        assert hits(index, TOKENS, ["a:1"]) == {"a:1": 3}
+    finally:
+        feeder._close(state)
+        a.pub.close()

@@ -5,10 +5,12 @@ socket on its event endpoint (all topics) and, if it has one, a DEALER on its
 replay endpoint. Catch-up protocol (vLLM's): send the 8-byte big-endian start
 seq, read `(seq, payload)` until seq == -1.
 
-- Pod added: connect SUB first (so nothing is lost), then, if Redis holds the
-  pod's last applied seq, warm the local view from Redis and replay from
-  seq + 1 (a restarted gateway catches up); otherwise replay from 0.
-- Gap in live seqs: replay the missing range.
+- Pod added: connect SUB first, then, if Redis holds the pod's last applied
+  seq, warm the local view from Redis and replay from seq + 1 (a restarted
+  gateway catches up); otherwise replay from 0.
+- Gap in live seqs: replay the missing range. That includes a first live
+  batch after an empty catch-up that is not seq 0: a SUB connect is
+  asynchronous, and PUB drops what it sends before the subscription is live.
 - seq not newer than the last applied one but with a newer timestamp (the last
   one's is kept in Redis): the engine restarted; its old entries are dropped and
   it is replayed from 0.
@@ -253,7 +255,9 @@ class EventFeeder:
                 if seq > state.last_seq:
                     self._apply(state, seq, frames[2])
             return
-        if state.last_seq >= 0 and seq > state.last_seq + 1:
+        if seq > state.last_seq + 1:
+            # a gap; also batches before a new pod's first live one, sent after its
+            # catch-up replay but before its subscription went live (dropped by PUB)
             self._replay(state, state.last_seq + 1)
             if seq <= state.last_seq:
                 return
