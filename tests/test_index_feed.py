@@ -402,3 +402,64 @@ def test_batches_missed_before_the_first_live_one_are_replayed():
     finally:
         feeder._close(state)
         a.pub.close()
+
+
+def test_restart_seen_first_past_the_last_seq_is_detected(srv):
+    """The engine restarts and the first batch the gateway sees from it is already
+    past the last seq applied (its first ones went out before the SUB reconnected):
+    the catch-up compares the batch at the last seq, sees another timestamp, and
+    drops the old entries instead of stacking the new engine's onto them."""
+    a = Engine("a:1", 1)
+    src = a.source()
+    index = make_index(srv.port)
+    feeder = EventFeeder(index)
+    feeder.start()
+    pub2 = None
+    try:
+        a.pub.publish([stored([a.h(0), a.h(1)], None, TOKENS[:8])])  # seq 0
+        feeder.add(src)
+        wait_for(lambda: feeder.batches >= 1)
+        a.pub.close()
+        pub2 = restarted_publisher(src)
+        pub2.publish([stored([2000], None, [9, 9, 9, 9])])  # seq 0, 1: likely sent
+        pub2.publish([stored([2001], 2000, [8, 8, 8, 8])])  # before the SUB reconnects
+        time.sleep(1.0)
+        publish_until(pub2, lambda: feeder.batches >= 3)
+        assert feeder.restarts == 1
+        assert hits(index, TOKENS[:8], ["a:1"]) == {}
+        assert hits(index, [9, 9, 9, 9, 8, 8, 8, 8], ["a:1"]) == {"a:1": 2}
+    finally:
+        feeder.stop()
+        for p in (a.pub, pub2):
+            if p is not None:
+                p.close()
+
+
+def test_gateway_restart_after_an_engine_restart_past_the_stored_seq(srv):
+    """Gateway down while its engine restarted and published past the seq stored in
+    Redis: warming from Redis, then the catch-up finds another batch at that seq."""
+    a = Engine("a:1", 1)
+    src = a.source()
+    feeder = EventFeeder(make_index(srv.port))
+    feeder.start()
+    a.pub.publish([stored([a.h(0), a.h(1)], None, TOKENS[:8])])  # seq 0 (old engine)
+    feeder.add(src)
+    wait_for(lambda: feeder.batches >= 1)
+    feeder.stop()
+    a.pub.close()
+    pub2 = restarted_publisher(src)
+    pub2.publish([BlockRemoved(block_hashes=[1], medium="GPU")])  # seq 0
+    pub2.publish([stored([2000], None, [9, 9, 9, 9])])  # seq 1
+    pub2.publish([stored([2001], 2000, [8, 8, 8, 8])])  # seq 2
+    wait_for(lambda: len(pub2._buffer) == 3)
+    index = make_index(srv.port)
+    feeder = EventFeeder(index)
+    feeder.start()
+    try:
+        feeder.add(src)
+        wait_for(lambda: feeder.restarts == 1 and feeder.batches >= 3)
+        assert hits(index, TOKENS[:8], ["a:1"]) == {}
+        assert hits(index, [9, 9, 9, 9, 8, 8, 8, 8], ["a:1"]) == {"a:1": 2}
+    finally:
+        feeder.stop()
+        pub2.close()

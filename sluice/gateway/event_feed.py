@@ -12,8 +12,9 @@ seq, read `(seq, payload)` until seq == -1.
   batch after an empty catch-up that is not seq 0: a SUB connect is
   asynchronous, and PUB drops what it sends before the subscription is live.
 - seq not newer than the last applied one but with a newer timestamp (the last
-  one's is kept in Redis): the engine restarted; its old entries are dropped and
-  it is replayed from 0.
+  one's is kept in Redis), or a catch-up replay whose batch at the last applied
+  seq has another timestamp (its seq passed ours): the engine restarted; its old
+  entries are dropped and it is replayed from 0.
 - A replay answer not read to its end (timeout, malformed) leaves a fresh
   DEALER behind (no stale answers); a batch that cannot be translated is skipped.
 - An error with one pod or batch is logged and counted; the thread goes on.
@@ -186,25 +187,40 @@ class EventFeeder:
         if stored is not None:
             self.index.warm_from_redis(state.source.pod, *stored)
             state.last_seq, state.last_ts = stored
-        self._replay(state, state.last_seq + 1)
+        self._catch_up(state)
 
-    def _replay(self, state: _PodState, start: int) -> None:
+    def _catch_up(self, state: _PodState) -> None:
+        """Replay what follows the last applied batch. When that batch's timestamp is
+        known the replay starts at it, to compare: a different one there means
+        another incarnation of the engine (it restarted, and its seq has already
+        passed ours), whose entries are dropped and which is replayed from 0."""
+        check = state.last_seq >= 0 and state.last_ts > 0
+        start = state.last_seq if check else state.last_seq + 1
+        if self._replay(state, start, state.last_ts if check else 0.0):
+            self._restarted(state, "its replay")
+
+    def _replay(self, state: _PodState, start: int, expect_ts: float = 0.0) -> bool:
         """Apply the engine's buffered batches from `start` on (vLLM's replay protocol).
 
+        With `expect_ts`, batch `start` is the last one applied and is only compared:
+        a different timestamp means another incarnation of the engine (it
+        restarted): nothing is applied and True is returned.
         A request that goes unanswered leaves the socket replaced: its late
         answer must not be read as the answer to the next request."""
         if state.replay is None:
-            return
-        complete = False
+            return False
+        outcome = "incomplete"
         try:
-            complete = self._read_replay(state, start)
+            outcome = self._read_replay(state, start, expect_ts)
         finally:
-            if not complete:  # unread frames of this answer must not meet the next request
+            if outcome != "complete":  # unread frames must not meet the next request
                 state.replay.close(linger=0)
                 state.replay = self._replay_socket(state.source)
+        return outcome == "restarted"
 
-    def _read_replay(self, state: _PodState, start: int) -> bool:
-        """Send the request and apply the answer; True when it was read to its end."""
+    def _read_replay(self, state: _PodState, start: int, expect_ts: float) -> str:
+        """Send the request and apply the answer: "complete" when it was read to
+        its end, "restarted" (see `_replay`), else "incomplete"."""
         assert state.replay is not None
         state.replay.send_multipart((b"", start.to_bytes(8, "big")))
         deadline = time.monotonic() + self.replay_timeout_s
@@ -212,23 +228,25 @@ class EventFeeder:
             left = deadline - time.monotonic()
             if left <= 0 or not state.replay.poll(int(left * 1000)):
                 log.warning("replay from %s timed out", state.source.pod)
-                return False
+                return "incomplete"
             frames = state.replay.recv_multipart()
             frames = frames[1:] if frames and frames[0] == b"" else frames
             if len(frames) < 2:
                 log.warning("%s: malformed replay answer (%d frames)", state.source.pod,
                             len(frames))
-                return False
+                return "incomplete"
             seq_bytes, payload = frames[-2], frames[-1]  # tolerate (topic, seq, payload)
             seq = int.from_bytes(seq_bytes, "big", signed=True)
             if seq < 0:
-                return True
+                return "complete"
+            if expect_ts and seq == start and _batch_ts(payload) != expect_ts:
+                return "restarted"
             if seq > state.last_seq:
                 if state.last_seq >= 0 and seq > state.last_seq + 1:
                     log.warning("%s: events %d..%d are no longer in the engine's replay "
                                 "buffer", state.source.pod, state.last_seq + 1, seq - 1)
                 self._apply(state, seq, payload)
-        return False
+        return "incomplete"
 
     def _on_live(self, state: _PodState, frames: list[bytes]) -> None:
         if len(frames) != 3:
@@ -239,29 +257,31 @@ class EventFeeder:
             # before this one read Redis), or the engine restarted (its seq starts
             # again at 0) -- told apart by the batch's timestamp, kept in Redis next
             # to the seq. Without one (0.0) only seq 0 counts as a restart.
-            try:
-                ts = decode_batch(frames[2]).ts
-            except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError):
+            ts = _batch_ts(frames[2])
+            if ts is None:
                 return
             restarted = ts > state.last_ts if state.last_ts > 0 else (
                 seq == 0 and state.last_seq > 0)
-            if restarted:  # its cache is empty
-                log.warning("%s restarted (seq %d after %d): dropping its entries",
-                            state.source.pod, seq, state.last_seq)
-                self.restarts += 1
-                self.index.forget_pod(state.source.pod, gone=False)
-                state.last_seq, state.last_ts = -1, 0.0
-                self._replay(state, 0)
+            if restarted:
+                self._restarted(state, f"seq {seq} after {state.last_seq}")
                 if seq > state.last_seq:
                     self._apply(state, seq, frames[2])
             return
         if seq > state.last_seq + 1:
             # a gap; also batches before a new pod's first live one, sent after its
             # catch-up replay but before its subscription went live (dropped by PUB)
-            self._replay(state, state.last_seq + 1)
+            self._catch_up(state)
             if seq <= state.last_seq:
                 return
         self._apply(state, seq, frames[2])
+
+    def _restarted(self, state: _PodState, evidence: str) -> None:
+        """The engine restarted (its cache is empty): drop its entries, replay it from 0."""
+        log.warning("%s restarted (%s): dropping its entries", state.source.pod, evidence)
+        self.restarts += 1
+        self.index.forget_pod(state.source.pod, gone=False)
+        state.last_seq, state.last_ts = -1, 0.0
+        self._replay(state, 0)
 
     def _apply(self, state: _PodState, seq: int, payload: bytes) -> None:
         try:
@@ -283,3 +303,11 @@ class EventFeeder:
         self.batches += 1
         self.blocks += len(t.stored) + len(t.removed)
         self.orphans += t.orphans
+
+
+def _batch_ts(payload: bytes) -> float | None:
+    """The timestamp of an encoded batch (None: undecodable)."""
+    try:
+        return decode_batch(payload).ts
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError):
+        return None
