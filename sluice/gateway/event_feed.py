@@ -239,8 +239,8 @@ class EventFeeder:
             seq = int.from_bytes(seq_bytes, "big", signed=True)
             if seq < 0:
                 return "complete"
-            if expect_ts and seq == start and _batch_ts(payload) != expect_ts:
-                return "restarted"
+            if expect_ts and seq == start and _batch_ts(payload) not in (expect_ts, None):
+                return "restarted"  # (an undecodable batch is no evidence)
             if seq > state.last_seq:
                 if state.last_seq >= 0 and seq > state.last_seq + 1:
                     log.warning("%s: events %d..%d are no longer in the engine's replay "
