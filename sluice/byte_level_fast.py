@@ -28,6 +28,8 @@ import json
 import re
 from typing import Any
 
+from sluice.gguf_tokenizer import bytes_to_unicode
+
 _WS = r"\t\n\x0b\x0c\r "  # Unicode White_Space within ASCII (not \x1c-\x1f, unlike re's \s)
 
 
@@ -40,19 +42,6 @@ def _pieces_pattern(individual_digits: bool) -> str:
                          else (r" ?[0-9]+", rf"[^{_WS}]"))
     return (rf"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+|{digits}| ?[^{_WS}A-Za-z0-9]+"
             rf"|[{_WS}]+(?!{end_of_ws})|[{_WS}]+")
-
-
-def _byte_level_table() -> dict[int, str]:
-    """GPT-2's bytes_to_unicode, restricted to ASCII: printable bytes map to
-    themselves, the others to chr(256 + n) in byte order."""
-    table, n = {}, 0
-    for b in range(128):
-        if 33 <= b <= 126:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + n)
-            n += 1
-    return table
 
 
 def _eligible_pre_tokenizer(pre: Any) -> bool | None:
@@ -85,7 +74,8 @@ class FastByteLevelEncoder:
         self._split = (re.compile("(" + "|".join(
             re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")")
             if added else None)
-        self._to_byte_level = str.maketrans(_byte_level_table())
+        self._to_byte_level = str.maketrans(  # ASCII text: the first 128 bytes
+            {b: ch for b, ch in bytes_to_unicode().items() if b < 128})
         self._cache: dict[str, list[int]] = {}
 
     @classmethod

@@ -221,11 +221,6 @@ class RespClient:
         self._last_used = time.monotonic()
         return proto
 
-    def _drop(self) -> None:
-        if self._proto is not None:
-            self._proto.fail(RedisConnectionError("client closed"))
-        self._proto = None
-
     async def call(self, *args: Arg) -> Any:
         proto = await self._ready()
         return await proto.send(encode_command(args), 1)[0]
@@ -241,7 +236,9 @@ class RespClient:
     async def aclose(self) -> None:
         if self._establishing is not None:
             self._establishing.cancel()
-        self._drop()
+        if self._proto is not None:
+            self._proto.fail(RedisConnectionError("client closed"))
+        self._proto = None
 
 
 async def _replies(futs: list[asyncio.Future]) -> list[Any]:
