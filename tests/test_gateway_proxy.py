@@ -180,7 +180,7 @@ def test_internal_error_is_an_openai_shaped_500():
         raise RuntimeError("bug")
 
     app = gateway_app([(free_port(), "m")])
-    app[GATEWAY].router.route = broken
+    app.state[GATEWAY].router.route = broken
     with Server(app) as gw:
         r = post(gw.url, {"model": "m", "prompt": "hi"})
         assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
@@ -245,7 +245,7 @@ def test_pending_prefill_and_inflight_are_released():
     st = {}
     with Server(fake_engine("ok", st)) as up:
         app = gateway_app([(up, "m")], strategy="kv_aware")
-        gw = app[GATEWAY]
+        gw = app.state[GATEWAY]
         with Server(app) as server:
             with httpx.stream("POST", server.url + "/v1/completions", json={
                     "model": "m", "prompt": list(range(64)), "stream": True}) as r:
@@ -304,7 +304,7 @@ def test_engine_dying_inside_a_json_answer_is_a_502():
             r = post(gw.url, {"model": "m", "prompt": "hi"})
             assert r.status_code == 502, r.text
             assert r.json()["error"]["code"] == "upstream_error"
-            proxy = app[GATEWAY].proxy
+            proxy = app.state[GATEWAY].proxy
             assert proxy.inflight == {} and proxy.pending_prefill == {}
     finally:
         engine.close()
@@ -314,7 +314,7 @@ def test_client_gone_before_the_first_byte_releases_the_pod():
     st = {}
     with Server(fake_engine("stall", st)) as up:
         app = gateway_app([(up, "m")], strategy="kv_aware")
-        proxy = app[GATEWAY].proxy
+        proxy = app.state[GATEWAY].proxy
         with Server(app) as gw:
             with pytest.raises(httpx.ReadTimeout):  # the engine answers only after 5 s
                 httpx.post(gw.url + "/v1/completions", timeout=httpx.Timeout(10, read=2),

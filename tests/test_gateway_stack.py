@@ -1,4 +1,4 @@
-"""Test helpers (no tests here): an app (the gateway's aiohttp app, or a FastAPI fake engine)
+"""Test helpers (no tests here): an app (the gateway's HTTP app, or a FastAPI fake engine)
 served in a thread; engines with KV events. Named test_gateway_* to stay within the gateway
 test files."""
 
@@ -9,40 +9,39 @@ import threading
 import time
 
 import uvicorn
-from aiohttp import web
 from engine_server import EngineProcess, free_port
+
+from sluice.gateway.http_server import App, HttpServer
 
 
 class ThreadServer:
-    """An app on a free loopback port, in a thread: aiohttp apps as `sluice gateway`
-    serves them (handler cancellation on), anything else (ASGI) with uvicorn."""
+    """An app on a free loopback port, in a thread: the gateway's `App` as `sluice
+    gateway` serves it, anything else (ASGI) with uvicorn."""
 
     def __init__(self, app) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.aiohttp = isinstance(app, web.Application)
-        if self.aiohttp:
-            self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        self.native = isinstance(app, App)
+        if self.native:
+            self.http = HttpServer(app, grace_s=1.0)
             self.loop = asyncio.new_event_loop()
             self.started = threading.Event()
-            self.thread = threading.Thread(target=self._run_aiohttp, daemon=True)
+            self.thread = threading.Thread(target=self._run_native, daemon=True)
         else:
             self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
                                                         log_level="error", lifespan="on"))
             self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def _run_aiohttp(self) -> None:
+    def _run_native(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.loop.run_until_complete(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", self.port)
-        self.loop.run_until_complete(site.start())
+        self.loop.run_until_complete(self.http.start("127.0.0.1", self.port))
         self.started.set()
         self.loop.run_forever()
-        self.loop.run_until_complete(self.runner.cleanup())
+        self.loop.run_until_complete(self.http.stop())
         self.loop.close()
 
     def _is_started(self) -> bool:
-        return self.started.is_set() if self.aiohttp else self.server.started
+        return self.started.is_set() if self.native else self.server.started
 
     def __enter__(self) -> ThreadServer:
         self.thread.start()
@@ -54,7 +53,7 @@ class ThreadServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.aiohttp:
+        if self.native:
             self.loop.call_soon_threadsafe(self.loop.stop)
         else:
             self.server.should_exit = True

@@ -1,4 +1,4 @@
-"""The gateway process: an aiohttp app wiring discovery, index, load, routing, proxy.
+"""The gateway process: an HTTP app wiring discovery, index, load, routing, proxy.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (OpenAI-compatible,
 streamed through), GET /v1/models (every model of every pool), GET /health,
@@ -6,9 +6,10 @@ GET /metrics. The request's `model` selects the pool. Bad input is answered
 OpenAI-shaped: malformed JSON / body -> 400, unknown model -> 404, body over
 `max_body_bytes` -> 413, unknown path -> 404, wrong method -> 405.
 
-aiohttp serves the gateway (not FastAPI, as the engine does): its C HTTP
-parser and thin handler path cost a fraction of a FastAPI request's CPU, and
-this process does nothing but route and relay.
+The gateway's own lean HTTP server and engine client serve it (`http_server`,
+`http_pool`; not FastAPI, as the engine, nor aiohttp, as before): this process
+does nothing but route and relay, and their CPU per request is most of its
+overhead (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sluice.gateway.discovery import Discovery
@@ -28,6 +28,8 @@ from sluice.gateway.errors import error_response
 from sluice.gateway.event_feed import EventFeeder
 from sluice.gateway.health import HealthTracker
 from sluice.gateway.http_pool import HttpPool
+from sluice.gateway.http_server import App, Request
+from sluice.gateway.http_wire import Response
 from sluice.gateway.load import LoadScraper, LoadTable
 from sluice.gateway.local_index import LocalIndex, LocalIndexConfig
 from sluice.gateway.metrics import GatewayMetrics
@@ -95,7 +97,6 @@ class Gateway:
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
-        await self.http.start()
         if self.feeder is not None:
             self.feeder.start()
         await self.discovery.start(self.registry.update)
@@ -117,24 +118,8 @@ class Gateway:
             self.redis.sync.close()
 
     # -- request path ----------------------------------------------------------------------
-    async def _read_body(self, request: web.Request) -> bytes | web.Response:
-        limit = self.cfg.max_body_bytes
-        declared = request.content_length
-        if declared is not None and declared > limit:
-            return error_response(413, f"request body over {limit} bytes", "body_too_large")
-        body = bytearray()
-        async for chunk in request.content.iter_any():
-            body += chunk
-            if len(body) > limit:
-                return error_response(413, f"request body over {limit} bytes",
-                                      "body_too_large")
-        return bytes(body)
-
-    async def handle(self, request: web.Request, kind: str) -> web.StreamResponse:
-        body = await self._read_body(request)
-        if isinstance(body, web.Response):
-            self.metrics.errors.labels("bad_request").inc()
-            return body
+    async def handle(self, request: Request, kind: str) -> Response | None:
+        body = request.body
         try:
             data = json.loads(body)
         except (ValueError, UnicodeDecodeError, RecursionError) as err:
@@ -179,8 +164,9 @@ class Gateway:
 
         headers = {"content-type": "application/json"}
         for name in _FORWARD_HEADERS:
-            if name in request.headers:
-                headers[name] = request.headers[name]
+            value = request.headers.get(name)
+            if value is not None:
+                headers[name] = value
         path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         return await self.proxy.forward(request, path, body, headers, route)
 
@@ -239,72 +225,45 @@ def _is_prompt(p: Any) -> bool:
     return all(is_token_id(t) for t in ids if isinstance(t, int) and not isinstance(t, bool))
 
 
-GATEWAY = web.AppKey("gateway", Gateway)
+GATEWAY = "gateway"  # app.state key of the Gateway
 
 
-@web.middleware
-async def _openai_errors(request: web.Request, handler) -> web.StreamResponse:
-    """aiohttp's own 404 / 405 / 413 answers and any unexpected error, OpenAI-shaped."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return error_response(exc.status, exc.reason, headers={
-            k: v for k, v in exc.headers.items() if k.lower() == "allow"})
-    except Exception:  # noqa: BLE001 -- a bug must still answer like the API
-        log.exception("internal error on %s %s", request.method, request.path)
-        if request.writer is not None and request.writer.output_size > 0:
-            raise  # an answer already began: aiohttp closes the connection
-        return error_response(500, "internal gateway error", "internal_error")
+def _json(body: Any, status: int = 200) -> Response:
+    return Response(status, json.dumps(body).encode(), {"content-type": "application/json"})
 
 
-def create_app(gateway: Gateway) -> web.Application:
-    """The gateway's aiohttp application; serve it with handler cancellation on
-    (`serve` below) so a client disconnect cancels its upstream request."""
+def create_app(gateway: Gateway) -> App:
+    """The gateway's HTTP app (serve it with `http_server.serve` or `HttpServer`)."""
+    app = App(gateway.cfg.max_body_bytes)
+    app.state[GATEWAY] = gateway
+    app.on_startup.append(gateway.start)
+    app.on_cleanup.append(gateway.stop)
 
-    async def on_startup(app: web.Application) -> None:
-        await gateway.start()
+    def rejected(status: int) -> None:
+        if status in (400, 413):
+            gateway.metrics.errors.labels("bad_request").inc()
 
-    async def on_cleanup(app: web.Application) -> None:
-        await gateway.stop()
+    app.on_reject = rejected
 
-    async def completions(request: web.Request) -> web.StreamResponse:
+    async def completions(request: Request) -> Response | None:
         return await gateway.handle(request, "completion")
 
-    async def chat(request: web.Request) -> web.StreamResponse:
+    async def chat(request: Request) -> Response | None:
         return await gateway.handle(request, "chat")
 
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response(gateway.models_body())
+    async def models(request: Request) -> Response:
+        return _json(gateway.models_body())
 
-    async def health(request: web.Request) -> web.Response:
+    async def health(request: Request) -> Response:
         status, body = gateway.health_body()
-        return web.json_response(body, status=status)
+        return _json(body, status)
 
-    async def metrics(request: web.Request) -> web.Response:
-        return web.Response(body=gateway.metrics_text(),
-                            headers={"content-type": CONTENT_TYPE_LATEST})
+    async def metrics(request: Request) -> Response:
+        return Response(200, gateway.metrics_text(), {"content-type": CONTENT_TYPE_LATEST})
 
-    app = web.Application(middlewares=[_openai_errors],
-                          client_max_size=gateway.cfg.max_body_bytes)
-    app[GATEWAY] = gateway
-    app.on_startup.append(on_startup)
-    app.on_cleanup.append(on_cleanup)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
+    app.add("POST", "/v1/completions", completions)
+    app.add("POST", "/v1/chat/completions", chat)
+    app.add("GET", "/v1/models", models)
+    app.add("GET", "/health", health)
+    app.add("GET", "/metrics", metrics)
     return app
-
-
-def serve(app: web.Application, host: str, port: int) -> None:
-    """Run the app until SIGINT / SIGTERM, on uvloop when it is installed."""
-    try:
-        import uvloop
-        loop_factory = uvloop.new_event_loop
-    except ImportError:
-        loop_factory = asyncio.new_event_loop
-    web.run_app(app, host=host, port=port, access_log=None, print=None,
-                handler_cancellation=True, loop=loop_factory())

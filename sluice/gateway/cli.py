@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build(args: argparse.Namespace):
-    """The aiohttp app for these arguments."""
+    """The gateway's HTTP app for these arguments."""
     from sluice.gateway.app import Gateway, GatewayConfig, create_app
     from sluice.gateway.discovery import StaticDiscovery, parse_engine_spec
     from sluice.gateway.prompt import PromptTokenizer
@@ -79,7 +79,7 @@ def build(args: argparse.Namespace):
 
 
 def main(args: argparse.Namespace) -> int:
-    from sluice.gateway.app import serve
+    from sluice.gateway.http_server import serve
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

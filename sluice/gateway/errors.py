@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 
-from aiohttp import web
+from sluice.gateway.http_wire import Response
 
 _TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
-          413: "invalid_request_error", 429: "rate_limit_error", 502: "api_error",
-          503: "service_unavailable", 504: "timeout"}
+          405: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 502: "api_error", 503: "service_unavailable",
+          504: "timeout"}
 
 
 def error_body(status: int, message: str, code: str | None = None,
@@ -18,9 +19,9 @@ def error_body(status: int, message: str, code: str | None = None,
 
 
 def error_response(status: int, message: str, code: str | None = None,
-                   param: str | None = None, headers: dict | None = None) -> web.Response:
-    return web.json_response(error_body(status, message, code, param), status=status,
-                             headers=headers)
+                   param: str | None = None, headers: dict | None = None) -> Response:
+    return Response(status, json.dumps(error_body(status, message, code, param)).encode(),
+                    {"content-type": "application/json", **(headers or {})})
 
 
 def sse_error(status: int, message: str, code: str | None = None) -> bytes:

@@ -13,9 +13,9 @@ Failure handling:
 - no pod left: 503;
 - the pod dies while its answer is read: a buffered answer becomes a 502; a
   relayed SSE stream gets an OpenAI-shaped error event and ends;
-- client disconnect: the server cancels the handler (or the next write fails),
-  and the upstream connection is closed, not pooled, so the engine sees the
-  disconnect and aborts the request.
+- client disconnect: the server cancels the handler (or the next write fails
+  with ConnectionResetError), and the upstream connection is closed, not pooled,
+  so the engine sees the disconnect and aborts the request.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import aiohttp
-from aiohttp import web
-
 from sluice.gateway.errors import error_response, sse_error
 from sluice.gateway.health import HealthTracker
-from sluice.gateway.http_pool import HTTP_ERRORS, HttpPool
+from sluice.gateway.http_client import Connection, ConnectTimeout, ReadTimeout, UpstreamError
+from sluice.gateway.http_pool import HttpPool
+from sluice.gateway.http_server import Request
+from sluice.gateway.http_wire import Response
 from sluice.gateway.metrics import GatewayMetrics
 from sluice.gateway.routing.router import Decision
 
@@ -61,11 +61,10 @@ class Proxy:
         self.inflight: dict[str, int] = {}
         # uncached prompt blocks sent to each pod whose first token is not back yet
         self.pending_prefill: dict[str, int] = {}
-        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s,
-                                             sock_read=cfg.read_timeout_s)
 
-    async def forward(self, request: web.Request, path: str, body: bytes,
-                      headers: dict[str, str], route: RouteFn) -> web.StreamResponse:
+    async def forward(self, request: Request, path: str, body: bytes,
+                      headers: dict[str, str], route: RouteFn) -> Response | None:
+        """The answer to send (None: it was streamed to the client already)."""
         tried: set[str] = set()
         last_error = "no healthy engine for this model"
         busy = 0  # attempts answered 429
@@ -86,31 +85,33 @@ class Proxy:
             self._owe(pod, owed)
             started = time.perf_counter()
             try:
-                resp = await self.http.session.post(url + path, data=body, headers=headers,
-                                                    timeout=self.timeout)
-            except aiohttp.ConnectionTimeoutError:
+                resp = await self.http.request(url, "POST", path, headers, body,
+                                               self.cfg.connect_timeout_s,
+                                               self.cfg.read_timeout_s)
+            except ConnectTimeout:
                 self._done(pod, owed)
                 self._failed(pod, "connect_timeout")
                 last_error = f"engine {pod} did not accept the connection"
                 continue
-            except asyncio.TimeoutError:
+            except ReadTimeout:
                 # silent past read_timeout: not retried (it may still be working on
                 # the request), but counted, so a hung pod ends up marked unhealthy
                 self._done(pod, owed)
                 self._failed(pod, "upstream_timeout")
                 return error_response(504, f"engine {pod} did not answer in time", "timeout")
-            except aiohttp.ClientError as err:
+            except UpstreamError as err:
                 self._done(pod, owed)
                 self._failed(pod, "connect")
-                last_error = f"engine {pod} unreachable: {type(err).__name__}"
+                last_error = f"engine {pod} unreachable: {err}"
                 continue
             except asyncio.CancelledError:  # the client left before the answer began
                 self._done(pod, owed)
                 raise
             if resp.status >= 500 or resp.status == 429:
                 try:
-                    text = (await resp.content.read(500)).decode(errors="replace")
-                except HTTP_ERRORS:
+                    text = (await resp.chunk(self.cfg.read_timeout_s))[:500].decode(
+                        errors="replace")
+                except UpstreamError:
                     text = ""
                 finally:
                     resp.close()
@@ -155,8 +156,8 @@ class Proxy:
         self.metrics.errors.labels(kind).inc()
         self.health.failure(pod)
 
-    async def _relay(self, request: web.Request, resp: aiohttp.ClientResponse, d: Decision,
-                     started: float, owed: int) -> web.StreamResponse:
+    async def _relay(self, request: Request, resp: Connection, d: Decision,
+                     started: float, owed: int) -> Response | None:
         headers = {"x-sluice-pod": d.pod, "x-sluice-prefix-hit-blocks": str(d.hit_blocks),
                    "x-sluice-prompt-blocks": str(d.total_blocks),
                    "x-sluice-strategy": d.strategy, "x-sluice-index": d.index_mode}
@@ -164,46 +165,44 @@ class Proxy:
             if name in resp.headers:
                 headers[name] = resp.headers[name]
         sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+        timeout = self.cfg.read_timeout_s
         eof = False
         try:
-            if not sse and resp.content_length is not None:
+            if not sse and "content-length" in resp.headers:
                 try:
-                    data = await resp.read()
-                except HTTP_ERRORS as err:
+                    data = await resp.read(timeout)
+                except UpstreamError as err:
                     self._failed_mid_stream(d.pod, err)
                     return error_response(502, f"engine {d.pod} failed while answering: "
-                                               f"{type(err).__name__}", "upstream_error")
+                                               f"{err}", "upstream_error")
                 eof = True
                 self._paid(d.pod, owed)
                 owed = 0
-                return web.Response(body=data, status=resp.status, headers=headers)
-            out = web.StreamResponse(status=resp.status, headers=headers)
-            await out.prepare(request)
+                return Response(resp.status, data, headers)
+            out = request.stream(resp.status, headers)
             while True:
                 try:
-                    chunk = await resp.content.readany()
-                except HTTP_ERRORS as err:
+                    chunk = await resp.chunk(timeout)
+                except UpstreamError as err:
                     self._failed_mid_stream(d.pod, err)
-                    if sse:
+                    if sse:  # the client learns why, then the stream ends properly
                         await out.write(sse_error(502, f"engine {d.pod} failed mid-stream: "
-                                                       f"{type(err).__name__}", "upstream_error"))
-                    break
+                                                       f"{err}", "upstream_error"))
+                        out.end()
+                    return None  # (other bodies are cut: the client sees them truncated)
                 if not chunk:
                     eof = True
-                    await out.write_eof()
-                    break
+                    out.end()
+                    return None
                 if owed:  # first body bytes: the prefill is over
                     self._paid(d.pod, owed)
                     owed = 0
                 await out.write(chunk)
-            return out
-        except ConnectionError:  # the client left while we wrote to it
-            return out
         finally:
             if eof:
-                resp.release()  # the connection goes back to the pool
+                self.http.release(resp)  # the connection goes back to the pool
             else:
-                resp.close()    # the engine sees the disconnect and aborts
+                resp.close()  # the engine sees the disconnect and aborts
             self._done(d.pod, owed)
             self.metrics.upstream.labels(d.pod).observe(time.perf_counter() - started)
 
