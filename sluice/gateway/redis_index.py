@@ -32,38 +32,67 @@ assert ik.pod_ts_key("X") == P + "pod:X:ts"
 
 # ARGV: prefix, pod, seq, ops = msgpack [cleared 0|1, block_size|0, stored fields,
 # stored keys, removed fields], batch ts; applied in that order (clear, store, remove).
+# Counts: a key is in `keys` (and the pod in its `blk`) while at least one engine hash
+# maps to it; `kdup` counts the others (see index_keys). A field stored again with
+# the same key changes nothing; with another key it moves from the old key to it.
 APPLY = """
 local P, pod, seq = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local seqk = P..'pod:'..pod..':seq'
 local last = tonumber(redis.call('GET', seqk) or '-1')
 if seq >= 0 and seq <= last then return 0 end
-local keys, hashes = P..'pod:'..pod..':keys', P..'pod:'..pod..':ehash'
+local base = P..'pod:'..pod..':'
+local keys, hashes, dups = base..'keys', base..'ehash', base..'kdup'
+local function hold(k)  -- one more engine hash maps to k
+  if redis.call('SADD', keys, k) == 1 then
+    redis.call('SADD', P..'blk:'..k, pod)
+  else
+    redis.call('HINCRBY', dups, k, 1)
+  end
+end
+local function release(k)  -- one engine hash less maps to k
+  local d = tonumber(redis.call('HGET', dups, k) or '0')
+  if d > 1 then
+    redis.call('HINCRBY', dups, k, -1)
+  elseif d == 1 then
+    redis.call('HDEL', dups, k)
+  else
+    redis.call('SREM', keys, k)
+    redis.call('SREM', P..'blk:'..k, pod)
+  end
+end
 local ops = cmsgpack.unpack(ARGV[4])
 local cleared, bs, sf, sk, rf = ops[1], ops[2], ops[3], ops[4], ops[5]
 if cleared == 1 then
   for _, k in ipairs(redis.call('SMEMBERS', keys)) do
     redis.call('SREM', P..'blk:'..k, pod)
   end
-  redis.call('DEL', keys, hashes)
+  redis.call('DEL', keys, hashes, dups)
 end
-if bs > 0 then redis.call('HSET', P..'pod:'..pod..':meta', 'block_size', bs) end
+if bs > 0 then redis.call('HSET', base..'meta', 'block_size', bs) end
+local written = {}  -- field -> key stored by this batch (newer than `before`)
 for c0 = 1, #sf, 1000 do
   local c1 = math.min(c0 + 999, #sf)
+  local before = redis.call('HMGET', hashes, unpack(sf, c0, c1))
   local pairs_ = {}
   for j = c0, c1 do
-    pairs_[#pairs_ + 1] = sf[j]
-    pairs_[#pairs_ + 1] = sk[j]
-    redis.call('SADD', P..'blk:'..sk[j], pod)
+    local f, k = sf[j], sk[j]
+    local old = written[f]
+    if old == nil then old = before[j - c0 + 1] end
+    if old ~= k then
+      if old then release(old) end
+      hold(k)
+      written[f] = k
+      pairs_[#pairs_ + 1] = f
+      pairs_[#pairs_ + 1] = k
+    end
   end
-  redis.call('HSET', hashes, unpack(pairs_))
-  redis.call('SADD', keys, unpack(sk, c0, c1))
+  if #pairs_ > 0 then redis.call('HSET', hashes, unpack(pairs_)) end
 end
 for _, f in ipairs(rf) do
   local k = redis.call('HGET', hashes, f)
   if k then
     redis.call('HDEL', hashes, f)
-    redis.call('SREM', P..'blk:'..k, pod)
-    redis.call('SREM', keys, k)
+    release(k)
   end
 end
 if seq >= 0 then
