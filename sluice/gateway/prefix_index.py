@@ -6,7 +6,8 @@ to local mode (logged, and exported as `sluice_gateway_index_mode`), keeps
 routing on the local view, and marks every pod for re-sync; `recover()` (run
 by the event feeder between batches) pings Redis and, once it answers,
 rewrites each pod's entries in Redis from the local view at the pod's last
-applied sequence number, then switches back.
+applied sequence number (unless Redis holds as much: `redis_rewrite`), then
+switches back.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from sluice.gateway.local_index import LocalIndex
-from sluice.gateway.redis_index import RedisIndex, encode_ops
+from sluice.gateway.redis_apply import Outcome, encode_ops
+from sluice.gateway.redis_index import RedisIndex
 from sluice.index_keys import purge_pods
 
 log = logging.getLogger("sluice.gateway.index")
@@ -79,9 +81,21 @@ class PrefixIndex:
         if self.redis is None or self._degraded:
             return
         try:
-            self.redis.apply(pod, seq, encode_ops(stored, removed, cleared, block_size), ts)
+            ops = encode_ops(stored, removed, cleared, block_size)
+            if self.redis.apply(pod, seq, ops, ts) is Outcome.RESYNC:
+                log.warning("%s: a rewrite of its entries in redis was abandoned half-way: "
+                            "re-syncing them", pod)
+                self._resync(pod)
         except RedisError as err:
             self._degrade(err)
+
+    def _resync(self, pod: str) -> bool:
+        """Rewrite the pod's entries in Redis from the local view unless Redis is as
+        current (`RedisIndex.resync`). True if rewritten."""
+        assert self.redis is not None
+        seq, ts = self._position[pod]
+        return self.redis.resync(pod, seq, ts, self.local.snapshot(pod),
+                                 self._block_size.get(pod))
 
     def forget_pod(self, pod: str, gone: bool = True) -> None:
         """Drop the pod's index entries everywhere: it is gone (its registration,
@@ -104,6 +118,7 @@ class PrefixIndex:
             self._degrade(err)
 
     def _purge_pending(self) -> None:
+        assert self.redis is not None
         for pod in list(self._purge_later):
             if pod not in self._position:  # not fed again meanwhile (a re-sync covers that)
                 purge_pods(self.redis.sync, [pod], index_only=True)
@@ -139,14 +154,14 @@ class PrefixIndex:
         try:
             self.redis.sync.ping()
             self._purge_pending()
-            for pod, (seq, ts) in list(self._position.items()):
-                self.redis.resync(pod, seq, ts, self.local.snapshot(pod), self._block_size.get(pod))
+            rewritten = sum(self._resync(pod) for pod in list(self._position))
         except RedisError:
             return False
         with self._lock:
             self._degraded = False
             self._slow = 0
-        log.warning("redis is back: index re-synced for %d pods", len(self._position))
+        log.warning("redis is back: index re-synced for %d of %d pods (the others were "
+                    "current there)", rewritten, len(self._position))
         for cb in self.on_mode_change:
             cb(self.mode)
         return True
