@@ -1,6 +1,8 @@
 """Several gateway replicas writing one pod's entries to one Redis: a replica
-re-syncing after an outage never loses what another replica applied."""
+re-syncing after an outage, and replicas detecting the same engine restart, never
+lose what another replica applied."""
 
+import asyncio
 import time
 
 import pytest
@@ -8,14 +10,18 @@ import redis
 from redis_server import RedisServer
 
 from sluice import index_keys as ik
+from sluice.gateway.block_keys import request_keys
+from sluice.gateway.event_feed import EventFeeder, EventSource, _PodState
 from sluice.gateway.local_index import LocalIndex
 from sluice.gateway.prefix_index import PrefixIndex
 from sluice.gateway.redis_apply import encode_ops
 from sluice.gateway.redis_index import RedisIndex
 from sluice.gateway.resp_client import RespClient
+from sluice.kv_events import BlockStored, KVEventBatch, encode_batch
 
 POD = "x:1"
 BS = 4
+MODEL = "m"
 
 
 @pytest.fixture
@@ -137,3 +143,120 @@ def test_a_rewrite_abandoned_half_way_is_taken_over(srv):
     b.apply(POD, 5, [("e5", key(5))], [], False, BS, ts=105.0)  # lapsed: B re-syncs
     assert held(r) == {key(i) for i in range(6)} and r.get(ik.pod_seq_key(POD)) == b"5"
     assert not r.exists(ik.pod_sync_key(POD)) and b.mode == "redis"
+
+
+# -- engine restarts seen by two replicas ----------------------------------------------
+
+OLD = list(range(500, 516))  # tokens the old engine cached (4 blocks)
+NEW = list(range(700, 712))  # tokens the restarted engine caches (3 blocks)
+
+
+def stored(hashes, parent, tokens):
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
+                       block_size=BS, lora_id=None, medium="GPU", lora_name=None)
+
+
+def frames(seq: int, ts: float, events) -> list[bytes]:
+    payload = encode_batch(KVEventBatch(ts=ts, events=events, data_parallel_rank=0))
+    return [b"kv", seq.to_bytes(8, "big"), payload]
+
+
+def replica(port: int) -> tuple[EventFeeder, _PodState]:
+    """A gateway replica whose feeder is driven by hand (no sockets, no replay: an
+    engine without a replay endpoint), warmed from Redis."""
+    index = PrefixIndex(LocalIndex(), RedisIndex.from_url(f"redis://127.0.0.1:{port}/0", 1.0))
+    feeder = EventFeeder(index)
+    state = _PodState(EventSource(POD, MODEL, "tcp://127.0.0.1:1", None), None, None)
+    feeder._catch_up_new(state)
+    return feeder, state
+
+
+def redis_hits(port: int, tokens: list[int]) -> dict[str, int]:
+    index = RedisIndex.from_url(f"redis://127.0.0.1:{port}/0", 1.0)
+    return asyncio.new_event_loop().run_until_complete(
+        index.lookup(request_keys(MODEL, BS, tokens), [POD], 0))[0]
+
+
+def old_engine(port: int, last_seq: int) -> None:
+    """The old engine's batches 0..last_seq (ts 100 + seq), applied by some replica."""
+    index = PrefixIndex(LocalIndex(), RedisIndex.from_url(f"redis://127.0.0.1:{port}/0", 1.0))
+    feeder = EventFeeder(index)
+    state = _PodState(EventSource(POD, MODEL, "tcp://127.0.0.1:1", None), None, None)
+    for i in range(last_seq + 1):
+        feeder._on_live(state, frames(i, 100.0 + i, [
+            stored([i + 1], i or None, OLD[4 * i:4 * i + 4])] if i < 4 else []))
+
+
+NEW0 = (0, 200.0, [stored([1001], None, NEW[:4])])
+NEW1 = (1, 201.0, [stored([1002], 1001, NEW[4:8])])
+NEW2 = (2, 202.0, [stored([1003], 1002, NEW[8:12])])
+
+
+def test_a_second_replica_seeing_the_same_restart_keeps_the_first_ones_rebuild(srv):
+    """Replicas A and B both applied the old engine up to batch 3. It restarts: A sees
+    its batches 0 and 1 and rebuilds the pod from them; B missed batch 0 and sees
+    the restart at batch 1. B must not purge what A rebuilt."""
+    old_engine(srv.port, 3)
+    (fa, a), (fb, b) = replica(srv.port), replica(srv.port)
+    fa._on_live(a, frames(*NEW0))
+    fa._on_live(a, frames(*NEW1))
+    assert fa.restarts == 1 and redis_hits(srv.port, NEW) == {POD: 2}
+    fb._on_live(b, frames(*NEW1))
+    assert fb.restarts == 1
+    assert redis_hits(srv.port, OLD) == {} and redis_hits(srv.port, NEW) == {POD: 2}
+    fa._on_live(a, frames(*NEW2))
+    fb._on_live(b, frames(*NEW2))
+    assert redis_hits(srv.port, NEW) == {POD: 3}
+
+
+def test_a_replica_behind_on_the_old_engine_still_purges_it(srv):
+    """Replica B applied the old engine up to batch 2, another replica (gone since) up
+    to batch 5: B seeing the restart first must still drop the old entries."""
+    old_engine(srv.port, 2)
+    fb, b = replica(srv.port)
+    old_engine(srv.port, 5)  # (from 0: batches 0..2 are refused as applied)
+    assert redis_hits(srv.port, OLD) == {POD: 4}
+    fb._on_live(b, frames(*NEW0))
+    assert fb.restarts == 1
+    assert redis_hits(srv.port, OLD) == {} and redis_hits(srv.port, NEW) == {POD: 1}
+    r = redis.Redis(port=srv.port)
+    assert r.get(ik.pod_seq_key(POD)) == b"0"
+
+
+def test_a_restart_seen_while_redis_was_down_is_purged_on_its_return(srv):
+    """Replica A saw the restart during an outage and has not been fed since: on
+    Redis's return it drops the old entries, unless another replica has meanwhile
+    rebuilt the pod from the new incarnation."""
+    from redis.exceptions import RedisError
+
+    for rebuilt in (False, True):
+        redis.Redis(port=srv.port).flushdb()
+        old_engine(srv.port, 3)
+        fa, a = replica(srv.port)
+        fa.index._degrade(RedisError("outage"))
+        fa.index.restarted(POD, a.last_ts, NEW0[:2])
+        if rebuilt:
+            fb, b = replica(srv.port)
+            fb._on_live(b, frames(*NEW0))
+        assert fa.index.recover()
+        assert redis_hits(srv.port, OLD) == {}
+        assert redis_hits(srv.port, NEW) == ({POD: 1} if rebuilt else {})
+
+
+@pytest.mark.parametrize("stored, last_ts, seen, purged", [
+    ((3, 103.0), 103.0, (0, 200.0), True),   # the old engine, where this replica left it
+    ((5, 105.0), 102.0, (0, 200.0), True),   # the old engine, past this replica
+    ((4, 104.0), 103.0, (3, 200.0), True),   # (seen through a catch-up at seq 3)
+    ((0, 200.0), 103.0, (1, 201.0), False),  # the new engine, before the batch seen
+    ((1, 201.0), 103.0, (1, 201.0), False),  # the new engine, at it
+    ((4, 204.0), 103.0, (1, 201.0), False),  # the new engine, past it
+])
+def test_restart_purge_only_drops_the_old_engines_entries(srv, stored, last_ts, seen, purged):
+    index = RedisIndex.from_url(f"redis://127.0.0.1:{srv.port}/0", 1.0)
+    assert not index.purge_restarted(POD, last_ts, seen)  # nothing there (or purged already)
+    assert index.apply(POD, stored[0], one_store(0), ts=stored[1])
+    assert index.purge_restarted(POD, last_ts, seen) == purged
+    r = redis.Redis(port=srv.port)
+    assert held(r) == (set() if purged else {key(0)})
+    assert r.get(ik.pod_seq_key(POD)) == (None if purged else str(stored[0]).encode())
+    assert not r.exists(ik.pod_sync_key(POD))

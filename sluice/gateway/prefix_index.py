@@ -45,6 +45,8 @@ class PrefixIndex:
         self._slow = 0  # consecutive lookup timeouts
         self._position: dict[str, tuple[int, float]] = {}  # pod -> last applied (seq, ts)
         self._purge_later: set[str] = set()  # pods forgotten while Redis was down
+        # pods that restarted while Redis was down: their purge guard (see restarted)
+        self._restarted_later: dict[str, tuple[float, tuple[int, float]]] = {}
         self._block_size: dict[str, int] = {}
         self.on_mode_change: list[Any] = []
 
@@ -99,13 +101,14 @@ class PrefixIndex:
 
     def forget_pod(self, pod: str, gone: bool = True) -> None:
         """Drop the pod's index entries everywhere: it is gone (its registration,
-        pool membership and load entry go too) or, with `gone=False`, it restarted
-        or changed its event endpoint (they stay).
+        pool membership and load entry go too) or, with `gone=False`, it changed its
+        event endpoint (they stay).
 
         While Redis is down the purge waits for its return, and is then index-only:
         the pod may have been registered again meanwhile."""
         self.local.clear(pod)
         self._position.pop(pod, None)
+        self._restarted_later.pop(pod, None)
         if self.redis is None:
             return
         if self._degraded:
@@ -117,12 +120,37 @@ class PrefixIndex:
             self._purge_later.add(pod)
             self._degrade(err)
 
+    def restarted(self, pod: str, last_ts: float, seen: tuple[int, float]) -> None:
+        """The pod's engine restarted (its cache is empty), as batch `seen` (seq, ts)
+        of its new incarnation shows; this replica's last batch of the old one had
+        `last_ts`. Its entries go here and, unless Redis already holds the new
+        incarnation's (another replica saw the restart first), in Redis
+        (`RedisIndex.purge_restarted`); its registration stays.
+
+        While Redis is down the purge waits for its return; a pod fed again by
+        then is re-synced instead."""
+        self.local.clear(pod)
+        self._position.pop(pod, None)
+        if self.redis is None:
+            return
+        if not self._degraded:
+            try:
+                self.redis.purge_restarted(pod, last_ts, seen)
+                return
+            except RedisError as err:
+                self._degrade(err)
+        self._restarted_later[pod] = (last_ts, seen)
+
     def _purge_pending(self) -> None:
         assert self.redis is not None
         for pod in list(self._purge_later):
             if pod not in self._position:  # not fed again meanwhile (a re-sync covers that)
                 purge_pods(self.redis.sync, [pod], index_only=True)
             self._purge_later.discard(pod)
+        for pod, (last_ts, seen) in list(self._restarted_later.items()):
+            if pod not in self._position:
+                self.redis.purge_restarted(pod, last_ts, seen)
+            del self._restarted_later[pod]
 
     def stored_position(self, pod: str) -> tuple[int, float] | None:
         """(seq, ts) last applied to Redis for `pod` (None: unknown / Redis down)."""

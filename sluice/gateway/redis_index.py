@@ -9,8 +9,8 @@ operation is one Lua script, so it is atomic and costs one round trip:
   than the pod's stored seq (`redis_apply`). With several gateway replicas each
   applying every engine's events, this makes application exactly-once and in
   order.
-- `resync(...)`: rewrites a pod's entries, fenced against the other replicas'
-  batches (`redis_rewrite`).
+- `resync(...)`, `purge_restarted(...)`: rewrite a pod's entries, fenced
+  against the other replicas' batches (`redis_rewrite`).
 - `lookup(keys, pods)`: per pod the length of the run of leading keys it holds
   (confirmed or unexpired speculative), plus every pod's load entry.
 - `speculate(pod, keys, ttl)`: speculative entries with an expiry.
@@ -150,6 +150,11 @@ class RedisIndex:
         (`ts`), unless Redis's position covers it or another replica is rewriting
         the pod. True if rewritten."""
         return self._rewriter.resync(pod, seq, ts, hashes, block_size)
+
+    def purge_restarted(self, pod: str, last_ts: float, seen: tuple[int, float]) -> bool:
+        """Drop the entries of a restarted engine unless Redis already holds its new
+        incarnation's (`PodRewriter.purge_restarted`). True if purged."""
+        return self._rewriter.purge_restarted(pod, last_ts, seen)
 
     def register_pod(self, pod: str, namespace: str, pool: str, model: str) -> None:
         pipe = self.sync.pipeline(transaction=False)
