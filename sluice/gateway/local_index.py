@@ -4,8 +4,9 @@ Holds the same facts as the Redis index: request key -> pods holding it,
 pod -> {engine block hash field -> request key}, pod -> {request key -> number
 of its engine hashes mapping to it} (blocks with the same tokens and parent
 under another LoRA, multimodal input or cache salt share a key: the pod holds
-it until the last of them is gone), and speculative entries with an expiry. Every gateway replica feeds it from the engines' events, so when
-Redis is unreachable routing continues on it (approximately: it is bounded,
+it until the last of them is gone), and speculative entries with an expiry.
+Every gateway replica feeds it from the engines' events, so when Redis is
+unreachable routing continues on it (approximately: it is bounded,
 least-recently-used keys are dropped first). Thread-safe: the event feeder
 thread writes while request handlers read. Holders are tuples of pod ids, not
 sets: tuples of strings are untracked by Python's cyclic GC, so a view with a
