@@ -16,8 +16,18 @@ engine's hash seed):
                                   entries written by routing decisions; the key
                                   expires with its newest entry.
 - `sluice:pod:{pod}:ehash`  HASH  engine block hash (`int` as decimal, `bytes`
-                                  as hex) -> K ("dual keys").
+                                  as hex) -> K ("dual keys"). Several engine
+                                  hashes can map to one K: blocks with the same
+                                  tokens and parent under another LoRA, multimodal
+                                  input or cache salt.
+- `sluice:pod:{pod}:kdup`   HASH  K -> n >= 1: n more of the pod's engine hashes
+                                  map to K than one (absent: at most one). K
+                                  leaves `keys` only with the last of them.
 - `sluice:pod:{pod}:seq`    STR   last applied event-batch sequence number.
+- `sluice:pod:{pod}:ts`     STR   that batch's timestamp.
+- `sluice:pod:{pod}:sync`   HASH  `owner`, `until` (ms since epoch): a gateway is
+                                  rewriting the pod's entries (re-sync, restart
+                                  purge); its fence on the pod's feed batches.
 - `sluice:pod:{pod}:meta`   HASH  `block_size`, `model`, `pool`, `namespace`,
                                   `topic` of the pod's engine.
 - `sluice:load:{pod}`       HASH  `waiting`, `running` (ints), `kv_usage` (0-1),
@@ -55,6 +65,11 @@ def pod_hashes_key(pod: str) -> str:
     return f"{PREFIX}pod:{pod}:ehash"
 
 
+def pod_key_dups_key(pod: str) -> str:
+    """HASH request key -> how many more of `pod`'s engine hashes map to it than one."""
+    return f"{PREFIX}pod:{pod}:kdup"
+
+
 def pod_seq_key(pod: str) -> str:
     """Last KV-event batch sequence number applied to the index for `pod`."""
     return f"{PREFIX}pod:{pod}:seq"
@@ -64,6 +79,11 @@ def pod_ts_key(pod: str) -> str:
     """Timestamp of that batch: tells a restarted engine (seq back, newer time) from
     a batch seen twice (seq back, same or older time)."""
     return f"{PREFIX}pod:{pod}:ts"
+
+
+def pod_sync_key(pod: str) -> str:
+    """HASH owner / until: the fence of a gateway rewriting `pod`'s entries."""
+    return f"{PREFIX}pod:{pod}:sync"
 
 
 def pod_meta_key(pod: str) -> str:
@@ -119,8 +139,8 @@ def purge_pods(redis_client: Any, pods: list[str], index_only: bool = False) -> 
     Removes each pod from the holders of every key it held, deletes its
     per-pod keys (speculative entries included), its
     load entry, and its membership of the pool set named in its meta; with
-    `index_only`, only the prefix-index entries (keys, hashes, seq, speculative
-    entries: a re-sync), so its registration and load stay. Works in
+    `index_only`, only the prefix-index entries (keys, hashes and their counts,
+    seq, speculative entries, a rewrite's fence), so its registration and load stay. Works in
     SSCAN batches so a pod with millions of keys never blocks Redis. Idempotent.
     Returns the number of request keys the pods held. `redis_client` is a sync
     `redis.Redis`.
@@ -135,8 +155,9 @@ def purge_pods(redis_client: Any, pods: list[str], index_only: bool = False) -> 
                 pipe.srem(block_key(k), pod)
             pipe.execute()
             total += len(keys)
-        index_entries = (pod_keys_key(pod), pod_hashes_key(pod), pod_seq_key(pod),
-                         pod_ts_key(pod), pod_spec_key(pod))
+        index_entries = (pod_keys_key(pod), pod_hashes_key(pod), pod_key_dups_key(pod),
+                         pod_seq_key(pod), pod_ts_key(pod), pod_spec_key(pod),
+                         pod_sync_key(pod))
         if index_only:
             redis_client.delete(*index_entries)
             continue

@@ -14,7 +14,8 @@ seq, read `(seq, payload)` until seq == -1.
 - seq not newer than the last applied one but with a newer timestamp (the last
   one's is kept in Redis), or a catch-up replay whose batch at the last applied
   seq has another timestamp (its seq passed ours): the engine restarted; its old
-  entries are dropped and it is replayed from 0.
+  entries are dropped (in Redis only if no other replica has rebuilt them from
+  the new incarnation yet: `PrefixIndex.restarted`) and it is replayed from 0.
 - A replay answer not read to its end (timeout, malformed) leaves a fresh
   DEALER behind (no stale answers); a batch that cannot be translated is skipped.
 - An error with one pod or batch is logged and counted; the thread goes on.
@@ -196,31 +197,33 @@ class EventFeeder:
         passed ours), whose entries are dropped and which is replayed from 0."""
         check = state.last_seq >= 0 and state.last_ts > 0
         start = state.last_seq if check else state.last_seq + 1
-        if self._replay(state, start, state.last_ts if check else 0.0):
-            self._restarted(state, "its replay")
+        other_ts = self._replay(state, start, state.last_ts if check else 0.0)
+        if other_ts is not None:
+            self._restarted(state, (start, other_ts))
 
-    def _replay(self, state: _PodState, start: int, expect_ts: float = 0.0) -> bool:
+    def _replay(self, state: _PodState, start: int, expect_ts: float = 0.0) -> float | None:
         """Apply the engine's buffered batches from `start` on (vLLM's replay protocol).
 
         With `expect_ts`, batch `start` is the last one applied and is only compared:
         a different timestamp means another incarnation of the engine (it
-        restarted): nothing is applied and True is returned.
+        restarted): nothing is applied and that timestamp is returned (else None).
         A request that goes unanswered leaves the socket replaced: its late
         answer must not be read as the answer to the next request."""
         if state.replay is None:
-            return False
-        outcome = "incomplete"
+            return None
+        complete, other_ts = False, None
         try:
-            outcome = self._read_replay(state, start, expect_ts)
+            complete, other_ts = self._read_replay(state, start, expect_ts)
         finally:
-            if outcome != "complete":  # unread frames must not meet the next request
+            if not complete:  # unread frames must not meet the next request
                 state.replay.close(linger=0)
                 state.replay = self._replay_socket(state.source)
-        return outcome == "restarted"
+        return other_ts
 
-    def _read_replay(self, state: _PodState, start: int, expect_ts: float) -> str:
-        """Send the request and apply the answer: "complete" when it was read to
-        its end, "restarted" (see `_replay`), else "incomplete"."""
+    def _read_replay(self, state: _PodState, start: int, expect_ts: float
+                     ) -> tuple[bool, float | None]:
+        """Send the request and apply the answer: (whether it was read to its end,
+        the other timestamp at `start` (see `_replay`) or None)."""
         assert state.replay is not None
         state.replay.send_multipart((b"", start.to_bytes(8, "big")))
         deadline = time.monotonic() + self.replay_timeout_s
@@ -228,25 +231,25 @@ class EventFeeder:
             left = deadline - time.monotonic()
             if left <= 0 or not state.replay.poll(int(left * 1000)):
                 log.warning("replay from %s timed out", state.source.pod)
-                return "incomplete"
+                return False, None
             frames = state.replay.recv_multipart()
             frames = frames[1:] if frames and frames[0] == b"" else frames
             if len(frames) < 2:
                 log.warning("%s: malformed replay answer (%d frames)", state.source.pod,
                             len(frames))
-                return "incomplete"
+                return False, None
             seq_bytes, payload = frames[-2], frames[-1]  # tolerate (topic, seq, payload)
             seq = int.from_bytes(seq_bytes, "big", signed=True)
             if seq < 0:
-                return "complete"
-            if expect_ts and seq == start and _batch_ts(payload) not in (expect_ts, None):
-                return "restarted"  # (an undecodable batch is no evidence)
+                return True, None
+            if expect_ts and seq == start and (ts := _batch_ts(payload)) not in (expect_ts, None):
+                return False, ts  # (an undecodable batch is no evidence)
             if seq > state.last_seq:
                 if state.last_seq >= 0 and seq > state.last_seq + 1:
                     log.warning("%s: events %d..%d are no longer in the engine's replay "
                                 "buffer", state.source.pod, state.last_seq + 1, seq - 1)
                 self._apply(state, seq, payload)
-        return "incomplete"
+        return False, None
 
     def _on_live(self, state: _PodState, frames: list[bytes]) -> None:
         if len(frames) != 3:
@@ -263,7 +266,7 @@ class EventFeeder:
             restarted = ts > state.last_ts if state.last_ts > 0 else (
                 seq == 0 and state.last_seq > 0)
             if restarted:
-                self._restarted(state, f"seq {seq} after {state.last_seq}")
+                self._restarted(state, (seq, ts))
                 if seq > state.last_seq:
                     self._apply(state, seq, frames[2])
             return
@@ -275,11 +278,14 @@ class EventFeeder:
                 return
         self._apply(state, seq, frames[2])
 
-    def _restarted(self, state: _PodState, evidence: str) -> None:
-        """The engine restarted (its cache is empty): drop its entries, replay it from 0."""
-        log.warning("%s restarted (%s): dropping its entries", state.source.pod, evidence)
+    def _restarted(self, state: _PodState, seen: tuple[int, float]) -> None:
+        """The engine restarted (its cache is empty), as its batch `seen` (seq, ts) shows:
+        drop its entries, replay it from 0."""
+        log.warning("%s restarted (batch %d of time %s after %d of time %s): dropping its "
+                    "entries", state.source.pod, *seen, state.last_seq, state.last_ts)
+        assert seen[0] <= state.last_seq, (seen, state.last_seq)  # (redis_rewrite.CLAIM)
         self.restarts += 1
-        self.index.forget_pod(state.source.pod, gone=False)
+        self.index.restarted(state.source.pod, state.last_ts, seen)
         state.last_seq, state.last_ts = -1, 0.0
         self._replay(state, 0)
 

@@ -1,9 +1,12 @@
 """Bounded in-memory view of the prefix index (one per gateway replica).
 
 Holds the same facts as the Redis index: request key -> pods holding it,
-pod -> {engine block hash field -> request key}, and speculative entries with
-an expiry. Every gateway replica feeds it from the engines' events, so when
-Redis is unreachable routing continues on it (approximately: it is bounded,
+pod -> {engine block hash field -> request key}, pod -> {request key -> number
+of its engine hashes mapping to it} (blocks with the same tokens and parent
+under another LoRA, multimodal input or cache salt share a key: the pod holds
+it until the last of them is gone), and speculative entries with an expiry.
+Every gateway replica feeds it from the engines' events, so when Redis is
+unreachable routing continues on it (approximately: it is bounded,
 least-recently-used keys are dropped first). Thread-safe: the event feeder
 thread writes while request handlers read. Holders are tuples of pod ids, not
 sets: tuples of strings are untracked by Python's cyclic GC, so a view with a
@@ -33,42 +36,49 @@ class LocalIndex:
         self.config = config
         self._holders: OrderedDict[str, tuple[str, ...]] = OrderedDict()
         self._pod_hashes: dict[str, dict[str, str]] = {}
+        # pod -> key -> its fields in _pod_hashes[pod] (> 0); holders are a bounded
+        # cache of the keys with a count, so a key may lack a holder entry, not the
+        # reverse
+        self._counts: dict[str, dict[str, int]] = {}
         self._spec: OrderedDict[str, dict[str, float]] = OrderedDict()
         self._lock = threading.Lock()
         self.dropped = 0  # stores refused because a bound was hit
 
     # -- writes (event feeder) ---------------------------------------------------------
     def store(self, pod: str, pairs: list[tuple[str, str]]) -> None:
-        """Record that `pod` holds blocks: (engine hash field, request key) pairs."""
+        """Record that `pod` holds blocks: (engine hash field, request key) pairs. A
+        field stored again with the same key changes no count; with another key,
+        it counts for that key instead."""
         with self._lock:
             hashes = self._pod_hashes.setdefault(pod, {})
+            counts = self._counts.setdefault(pod, {})
             for field, key in pairs:
-                if field not in hashes and len(hashes) >= self.config.max_hashes_per_pod:
+                old = hashes.get(field)
+                if old is None and len(hashes) >= self.config.max_hashes_per_pod:
                     self.dropped += 1
                     continue
-                hashes[field] = key
-                pods = self._holders.get(key)
-                if pods is None:
-                    self._holders[key] = (pod,)
-                    if len(self._holders) > self.config.max_keys:
-                        self._holders.popitem(last=False)
-                        self.dropped += 1
-                elif pod not in pods:
-                    self._holders[key] = (*pods, pod)
+                if old != key:
+                    if old is not None:
+                        self._release(pod, counts, old)
+                    hashes[field] = key
+                    counts[key] = counts.get(key, 0) + 1
+                self._hold(key, pod)
 
     def remove(self, pod: str, fields: list[str]) -> None:
         """`pod` evicted the blocks with these engine hash fields."""
         with self._lock:
             hashes = self._pod_hashes.get(pod, {})
+            counts = self._counts.get(pod, {})
             for field in fields:
                 key = hashes.pop(field, None)
                 if key is not None:
-                    self._discard(key, pod)
+                    self._release(pod, counts, key)
 
     def clear(self, pod: str) -> None:
         """`pod` dropped its whole cache (AllBlocksCleared) or is gone."""
         with self._lock:
-            for key in self._pod_hashes.pop(pod, {}).values():
+            self._pod_hashes.pop(pod, None)
+            for key in self._counts.pop(pod, {}):
                 self._discard(key, pod)
             for holders in self._spec.values():
                 holders.pop(pod, None)
@@ -80,6 +90,27 @@ class LocalIndex:
                 self._spec.move_to_end(key)
             while len(self._spec) > self.config.max_speculative_keys:
                 self._spec.popitem(last=False)
+
+    def _hold(self, key: str, pod: str) -> None:
+        """`pod` holds `key` (again, if the LRU bound had dropped its entry)."""
+        pods = self._holders.get(key)
+        if pods is None:
+            self._holders[key] = (pod,)
+            if len(self._holders) > self.config.max_keys:
+                self._holders.popitem(last=False)
+                self.dropped += 1
+        elif pod not in pods:
+            self._holders[key] = (*pods, pod)
+
+    def _release(self, pod: str, counts: dict[str, int], key: str) -> None:
+        """One engine hash of `pod` less maps to `key`; the last one takes the key."""
+        assert counts.get(key, 0) > 0, (pod, key)
+        n = counts[key] - 1
+        if n:
+            counts[key] = n
+        else:
+            del counts[key]
+            self._discard(key, pod)
 
     def _discard(self, key: str, pod: str) -> None:
         pods = self._holders.get(key)

@@ -6,7 +6,8 @@ to local mode (logged, and exported as `sluice_gateway_index_mode`), keeps
 routing on the local view, and marks every pod for re-sync; `recover()` (run
 by the event feeder between batches) pings Redis and, once it answers,
 rewrites each pod's entries in Redis from the local view at the pod's last
-applied sequence number, then switches back.
+applied sequence number (unless Redis holds as much: `redis_rewrite`), then
+switches back.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from sluice.gateway.local_index import LocalIndex
-from sluice.gateway.redis_index import RedisIndex, encode_ops
+from sluice.gateway.redis_apply import Outcome, encode_ops
+from sluice.gateway.redis_index import RedisIndex
 from sluice.index_keys import purge_pods
 
 log = logging.getLogger("sluice.gateway.index")
@@ -43,6 +45,8 @@ class PrefixIndex:
         self._slow = 0  # consecutive lookup timeouts
         self._position: dict[str, tuple[int, float]] = {}  # pod -> last applied (seq, ts)
         self._purge_later: set[str] = set()  # pods forgotten while Redis was down
+        # pods that restarted while Redis was down: their purge guard (see restarted)
+        self._restarted_later: dict[str, tuple[float, tuple[int, float]]] = {}
         self._block_size: dict[str, int] = {}
         self.on_mode_change: list[Any] = []
 
@@ -79,19 +83,32 @@ class PrefixIndex:
         if self.redis is None or self._degraded:
             return
         try:
-            self.redis.apply(pod, seq, encode_ops(stored, removed, cleared, block_size), ts)
+            ops = encode_ops(stored, removed, cleared, block_size)
+            if self.redis.apply(pod, seq, ops, ts) is Outcome.RESYNC:
+                log.warning("%s: a rewrite of its entries in redis was abandoned half-way: "
+                            "re-syncing them", pod)
+                self._resync(pod)
         except RedisError as err:
             self._degrade(err)
 
+    def _resync(self, pod: str) -> bool:
+        """Rewrite the pod's entries in Redis from the local view unless Redis is as
+        current (`RedisIndex.resync`). True if rewritten."""
+        assert self.redis is not None
+        seq, ts = self._position[pod]
+        return self.redis.resync(pod, seq, ts, self.local.snapshot(pod),
+                                 self._block_size.get(pod))
+
     def forget_pod(self, pod: str, gone: bool = True) -> None:
         """Drop the pod's index entries everywhere: it is gone (its registration,
-        pool membership and load entry go too) or, with `gone=False`, it restarted
-        or changed its event endpoint (they stay).
+        pool membership and load entry go too) or, with `gone=False`, it changed its
+        event endpoint (they stay).
 
         While Redis is down the purge waits for its return, and is then index-only:
         the pod may have been registered again meanwhile."""
         self.local.clear(pod)
         self._position.pop(pod, None)
+        self._restarted_later.pop(pod, None)
         if self.redis is None:
             return
         if self._degraded:
@@ -103,11 +120,37 @@ class PrefixIndex:
             self._purge_later.add(pod)
             self._degrade(err)
 
+    def restarted(self, pod: str, last_ts: float, seen: tuple[int, float]) -> None:
+        """The pod's engine restarted (its cache is empty), as batch `seen` (seq, ts)
+        of its new incarnation shows; this replica's last batch of the old one had
+        `last_ts`. Its entries go here and, unless Redis already holds the new
+        incarnation's (another replica saw the restart first), in Redis
+        (`RedisIndex.purge_restarted`); its registration stays.
+
+        While Redis is down the purge waits for its return; a pod fed again by
+        then is re-synced instead."""
+        self.local.clear(pod)
+        self._position.pop(pod, None)
+        if self.redis is None:
+            return
+        if not self._degraded:
+            try:
+                self.redis.purge_restarted(pod, last_ts, seen)
+                return
+            except RedisError as err:
+                self._degrade(err)
+        self._restarted_later[pod] = (last_ts, seen)
+
     def _purge_pending(self) -> None:
+        assert self.redis is not None
         for pod in list(self._purge_later):
             if pod not in self._position:  # not fed again meanwhile (a re-sync covers that)
                 purge_pods(self.redis.sync, [pod], index_only=True)
             self._purge_later.discard(pod)
+        for pod, (last_ts, seen) in list(self._restarted_later.items()):
+            if pod not in self._position:
+                self.redis.purge_restarted(pod, last_ts, seen)
+            del self._restarted_later[pod]
 
     def stored_position(self, pod: str) -> tuple[int, float] | None:
         """(seq, ts) last applied to Redis for `pod` (None: unknown / Redis down)."""
@@ -139,14 +182,14 @@ class PrefixIndex:
         try:
             self.redis.sync.ping()
             self._purge_pending()
-            for pod, (seq, ts) in list(self._position.items()):
-                self.redis.resync(pod, seq, ts, self.local.snapshot(pod), self._block_size.get(pod))
+            rewritten = sum(self._resync(pod) for pod in list(self._position))
         except RedisError:
             return False
         with self._lock:
             self._degraded = False
             self._slow = 0
-        log.warning("redis is back: index re-synced for %d pods", len(self._position))
+        log.warning("redis is back: index re-synced for %d of %d pods (the others were "
+                    "current there)", rewritten, len(self._position))
         for cb in self.on_mode_change:
             cb(self.mode)
         return True

@@ -6,8 +6,11 @@ asyncio client: redis-py's costs ~120 us of Python per call). Every multi-key
 operation is one Lua script, so it is atomic and costs one round trip:
 
 - `apply(pod, seq, ops)`: applies one event batch unless `seq` is not newer
-  than the pod's stored seq. With several gateway replicas each applying every
-  engine's events, this makes application exactly-once and in order.
+  than the pod's stored seq (`redis_apply`). With several gateway replicas each
+  applying every engine's events, this makes application exactly-once and in
+  order.
+- `resync(...)`, `purge_restarted(...)`: rewrite a pod's entries, fenced
+  against the other replicas' batches (`redis_rewrite`).
 - `lookup(keys, pods)`: per pod the length of the run of leading keys it holds
   (confirmed or unexpired speculative), plus every pod's load entry.
 - `speculate(pod, keys, ttl)`: speculative entries with an expiry.
@@ -15,75 +18,16 @@ operation is one Lua script, so it is atomic and costs one round trip:
 
 from __future__ import annotations
 
+import time
+import uuid
 from typing import Any
 
-import msgspec
-
 from sluice import index_keys as ik
+from sluice.gateway.redis_apply import APPLY, P, Outcome
+from sluice.gateway.redis_rewrite import PodRewriter
 from sluice.gateway.resp_client import RespClient, Script
 
-_pack = msgspec.msgpack.Encoder().encode
-
-P = ik.PREFIX
-assert ik.block_key("K") == P + "blk:K" and ik.pod_spec_key("X") == P + "pod:X:spec"
-assert ik.pod_keys_key("X") == P + "pod:X:keys" and ik.pod_hashes_key("X") == P + "pod:X:ehash"
-assert ik.pod_seq_key("X") == P + "pod:X:seq" and ik.load_key("X") == P + "load:X"
-assert ik.pod_ts_key("X") == P + "pod:X:ts"
-
-# ARGV: prefix, pod, seq, ops = msgpack [cleared 0|1, block_size|0, stored fields,
-# stored keys, removed fields], batch ts; applied in that order (clear, store, remove).
-APPLY = """
-local P, pod, seq = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local seqk = P..'pod:'..pod..':seq'
-local last = tonumber(redis.call('GET', seqk) or '-1')
-if seq >= 0 and seq <= last then return 0 end
-local keys, hashes = P..'pod:'..pod..':keys', P..'pod:'..pod..':ehash'
-local ops = cmsgpack.unpack(ARGV[4])
-local cleared, bs, sf, sk, rf = ops[1], ops[2], ops[3], ops[4], ops[5]
-if cleared == 1 then
-  for _, k in ipairs(redis.call('SMEMBERS', keys)) do
-    redis.call('SREM', P..'blk:'..k, pod)
-  end
-  redis.call('DEL', keys, hashes)
-end
-if bs > 0 then redis.call('HSET', P..'pod:'..pod..':meta', 'block_size', bs) end
-for c0 = 1, #sf, 1000 do
-  local c1 = math.min(c0 + 999, #sf)
-  local pairs_ = {}
-  for j = c0, c1 do
-    pairs_[#pairs_ + 1] = sf[j]
-    pairs_[#pairs_ + 1] = sk[j]
-    redis.call('SADD', P..'blk:'..sk[j], pod)
-  end
-  redis.call('HSET', hashes, unpack(pairs_))
-  redis.call('SADD', keys, unpack(sk, c0, c1))
-end
-for _, f in ipairs(rf) do
-  local k = redis.call('HGET', hashes, f)
-  if k then
-    redis.call('HDEL', hashes, f)
-    redis.call('SREM', P..'blk:'..k, pod)
-    redis.call('SREM', keys, k)
-  end
-end
-if seq >= 0 then
-  redis.call('SET', seqk, seq)
-  redis.call('SET', P..'pod:'..pod..':ts', ARGV[5])
-end
-return 1
-"""
-
-# KEYS: the pod's seq and ts keys; ARGV: seq, ts. Raises the stored seq (and its ts)
-# to `seq`, never lowers it.
-RAISE_SEQ = """
-local last = tonumber(redis.call('GET', KEYS[1]) or '-1')
-if tonumber(ARGV[1]) > last then
-  redis.call('SET', KEYS[1], ARGV[1])
-  redis.call('SET', KEYS[2], ARGV[2])
-  return 1
-end
-return 0
-"""
+assert ik.pod_spec_key("X") == P + "pod:X:spec" and ik.load_key("X") == P + "load:X"
 
 # Keys travel as one argument, concatenated (each is KEY_WIDTH chars): redis-py
 # packs every argument separately in Python, which for the 512 keys of an
@@ -153,26 +97,23 @@ return #keys
 """
 
 
-def encode_ops(stored: list[tuple[str, str]], removed: list[str], cleared: bool,
-               block_size: int | None = None) -> bytes:
-    """One batch's effects as the single msgpack argument of APPLY."""
-    return _pack([1 if cleared else 0, block_size or 0, [f for f, _ in stored],
-                  [k for _, k in stored], removed])
-
-
 class RedisIndex:
-    """Thin typed wrapper over the scripts; raises redis errors to the caller."""
+    """Thin typed wrapper over the scripts; raises redis errors to the caller.
 
-    def __init__(self, sync_client: Any, async_client: RespClient) -> None:
+    `lease_ms`: how long this replica's fence on a pod it rewrites outlasts its
+    last step (see `redis_rewrite`)."""
+
+    def __init__(self, sync_client: Any, async_client: RespClient,
+                 lease_ms: int = 10_000) -> None:
         self.sync = sync_client
         self.aio = async_client
         self._apply = sync_client.register_script(APPLY)
-        self._raise_seq = sync_client.register_script(RAISE_SEQ)
+        self._rewriter = PodRewriter(sync_client, self._apply, uuid.uuid4().hex, lease_ms)
         self._lookup = Script(async_client, LOOKUP)
         self._spec = Script(async_client, SPECULATE)
 
     @classmethod
-    def from_url(cls, url: str, timeout_s: float) -> RedisIndex:
+    def from_url(cls, url: str, timeout_s: float, lease_ms: int = 10_000) -> RedisIndex:
         """Clients that fail after `timeout_s`, without redis-py's retries: the caller
         has its own fallback (the local view), and a retried call against a hung
         Redis (3 retries with back-off) stalls ~10 s instead of `timeout_s`."""
@@ -185,11 +126,14 @@ class RedisIndex:
         opts = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
                 "health_check_interval": 10}
         return cls(redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **opts),
-                   RespClient(url, timeout_s=timeout_s, health_check_interval_s=10))
+                   RespClient(url, timeout_s=timeout_s, health_check_interval_s=10),
+                   lease_ms)
 
-    def apply(self, pod: str, seq: int, ops: bytes, ts: float = 0.0) -> bool:
-        """Apply one batch (seq < 0: unconditionally, seq untouched). False if stale."""
-        return bool(self._apply(args=[P, pod, seq, ops, repr(float(ts))]))
+    def apply(self, pod: str, seq: int, ops: bytes, ts: float = 0.0) -> Outcome:
+        """Apply feed batch `seq` (>= 0) of `pod`, unless stale or fenced."""
+        assert seq >= 0, seq
+        return Outcome(self._apply(args=[P, pod, seq, ops, repr(float(ts)),
+                                         time.time() * 1000.0, "", 0]))
 
     def stored_position(self, pod: str) -> tuple[int, float] | None:
         """(seq, ts) of the pod's last applied batch; ts 0.0 when unknown."""
@@ -201,20 +145,16 @@ class RedisIndex:
         return {_s(f): _s(k) for f, k in self.sync.hgetall(ik.pod_hashes_key(pod)).items()}
 
     def resync(self, pod: str, seq: int, ts: float, hashes: dict[str, str],
-               block_size: int | None) -> None:
-        """Replace the pod's entries with `hashes` (the local view) at `seq` (`ts`).
+               block_size: int | None) -> bool:
+        """Replace the pod's entries with `hashes` (the local view) at batch `seq`
+        (`ts`), unless Redis's position covers it or another replica is rewriting
+        the pod. True if rewritten."""
+        return self._rewriter.resync(pod, seq, ts, hashes, block_size)
 
-        Chunks are applied unconditionally and the seq is only raised at the end:
-        another replica applying the pod's next batch meanwhile (it sees no seq
-        after the purge) must not make this replica's last chunk look stale."""
-        ik.purge_pods(self.sync, [pod], index_only=True)
-        items = list(hashes.items())
-        chunk = 5000
-        for start in range(0, max(len(items), 1), chunk):
-            self.apply(pod, -1, encode_ops(items[start:start + chunk], [], False,
-                                           block_size if start == 0 else None))
-        self._raise_seq(keys=[ik.pod_seq_key(pod), ik.pod_ts_key(pod)],
-                        args=[seq, repr(float(ts))])
+    def purge_restarted(self, pod: str, last_ts: float, seen: tuple[int, float]) -> bool:
+        """Drop the entries of a restarted engine unless Redis already holds its new
+        incarnation's (`PodRewriter.purge_restarted`). True if purged."""
+        return self._rewriter.purge_restarted(pod, last_ts, seen)
 
     def register_pod(self, pod: str, namespace: str, pool: str, model: str) -> None:
         pipe = self.sync.pipeline(transaction=False)
