@@ -228,7 +228,8 @@ def test_speculative_entries_expire(srv):
     keys = request_keys(MODEL, BS, TOKENS)
 
     async def go():
-        await index.speculate("a:1", keys[:3], ttl_ms=1500)
+        index.speculate("a:1", keys[:3], ttl_ms=1500)
+        await asyncio.sleep(index.flush_after_s + 0.1)  # sent to Redis
         index.local.clear("a:1")  # only Redis may answer now
         h1 = (await index.lookup(keys, ["a:1", "b:2"]))[0]
         await asyncio.sleep(1.6)
@@ -236,6 +237,20 @@ def test_speculative_entries_expire(srv):
         return h1, h2
 
     assert LOOP.run_until_complete(go()) == ({"a:1": 3}, {})
+
+
+def test_a_speculation_without_a_lookup_after_it_is_flushed_alone(srv):
+    index = make_index(srv.port)
+    keys = request_keys(MODEL, BS, TOKENS)
+    spec_key = ik.pod_spec_key("a:1")
+
+    async def go():
+        index.speculate("a:1", keys[:2], ttl_ms=60_000)
+        queued = index.redis.sync.zcard(spec_key)
+        await asyncio.sleep(index.flush_after_s + 0.2)
+        return queued, index.redis.sync.zcard(spec_key), index.redis.pending
+
+    assert LOOP.run_until_complete(go()) == (0, 2, 0)
 
 
 def test_bad_endpoint_does_not_stop_the_feed():

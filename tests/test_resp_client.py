@@ -10,7 +10,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis_server import RedisServer
 
-from sluice.gateway.resp_client import RespClient, Script, encode_command
+from sluice.gateway.resp_client import RespClient, Script, encode_command, run_scripts
 
 
 def run(coro):
@@ -170,10 +170,22 @@ def test_script_is_loaded_when_redis_does_not_have_it():
     with RedisServer() as srv:
         async def main():
             c = RespClient(srv.url)
-            s = Script(c, "return ARGV[1] .. KEYS[1]")
-            assert await s(keys=["k"], args=["a"]) == b"ak"
+            s = Script(c, "return ARGV[1] .. ARGV[2]")
+            assert await s(["a", "k"]) == b"ak"
             await c.call("SCRIPT", "FLUSH")
-            assert await s(keys=["x"], args=["b"]) == b"bx"
+            assert await s(["b", "x"]) == b"bx"
             assert await c.call("SCRIPT", "EXISTS", s.sha) == [1]
+            # several calls in one write: those Redis lacks are loaded, order kept
+            await c.call("SCRIPT", "FLUSH")
+            t = Script(c, "return 'T' .. ARGV[1]")
+            await t(["0"])
+            assert await run_scripts(c, [(s, ["1", "2"]), (t, ["3"]), (s, ["4", "5"])]) == [
+                b"12", b"T3", b"45"]
+            # an error reply of one is raised (after every reply was read)
+            bad = Script(c, "return redis.call('INCR', ARGV[1])")
+            await c.call("SET", "notnum", "x")
+            with pytest.raises(ResponseError):
+                await run_scripts(c, [(s, ["1", "2"]), (bad, ["notnum"])])
+            assert await c.call("PING") == b"PONG"
             await c.aclose()
         run(main())

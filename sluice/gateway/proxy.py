@@ -30,7 +30,7 @@ from sluice.gateway.errors import error_response, sse_error
 from sluice.gateway.health import HealthTracker
 from sluice.gateway.http_client import Connection, ConnectTimeout, ReadTimeout, UpstreamError
 from sluice.gateway.http_pool import HttpPool
-from sluice.gateway.http_server import Request
+from sluice.gateway.http_app import Request
 from sluice.gateway.http_wire import Response
 from sluice.gateway.metrics import GatewayMetrics
 from sluice.gateway.routing.router import Decision

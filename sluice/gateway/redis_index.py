@@ -13,7 +13,8 @@ operation is one Lua script, so it is atomic and costs one round trip:
   against the other replicas' batches (`redis_rewrite`).
 - `lookup(keys, pods)`: per pod the length of the run of leading keys it holds
   (confirmed or unexpired speculative), plus every pod's load entry.
-- `speculate(pod, keys, ttl)`: speculative entries with an expiry.
+- `speculate_later(pod, keys, ttl)`: speculative entries with an expiry,
+  queued; `flush()` sends all queued in one write.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 from sluice import index_keys as ik
 from sluice.gateway.redis_apply import APPLY, P, Outcome
 from sluice.gateway.redis_rewrite import PodRewriter
-from sluice.gateway.resp_client import RespClient, Script
+from sluice.gateway.resp_client import RespClient, Script, run_scripts
 
 assert ik.pod_spec_key("X") == P + "pod:X:spec" and ik.load_key("X") == P + "load:X"
 
@@ -111,6 +112,7 @@ class RedisIndex:
         self._rewriter = PodRewriter(sync_client, self._apply, uuid.uuid4().hex, lease_ms)
         self._lookup = Script(async_client, LOOKUP)
         self._spec = Script(async_client, SPECULATE)
+        self._pending: list[tuple[Script, list[Any]]] = []  # queued speculations
 
     @classmethod
     def from_url(cls, url: str, timeout_s: float, lease_ms: int = 10_000) -> RedisIndex:
@@ -165,16 +167,32 @@ class RedisIndex:
 
     async def lookup(self, keys: list[str], pods: list[str], now_ms: float
                      ) -> tuple[dict[str, int], dict[str, dict[str, float]]]:
-        hits_flat, loads = await self._lookup(args=[P, now_ms, len(pods), *pods, _blob(keys)])
+        """Per pod its run of leading keys held, and every pod's load entry."""
+        hits_flat, loads = await self._lookup([P, now_ms, len(pods), *pods, _blob(keys)])
         hits = {_s(hits_flat[i]): int(hits_flat[i + 1]) for i in range(0, len(hits_flat), 2)}
         table = {_s(row[0]): {"waiting": float(row[1]), "running": float(row[2]),
                               "kv_usage": float(row[3]), "ts_ms": float(row[4])}
                  for row in loads}
         return hits, table
 
-    async def speculate(self, pod: str, keys: list[str], ttl_ms: int, now_ms: float) -> None:
+    def speculate_later(self, pod: str, keys: list[str], ttl_ms: int, now_ms: float) -> None:
+        """Queue speculative entries (sent by the next `flush`)."""
         if keys:
-            await self._spec(args=[P, pod, now_ms + ttl_ms, ttl_ms, _blob(keys)])
+            self._pending.append((self._spec, [P, pod, now_ms + ttl_ms, ttl_ms, _blob(keys)]))
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    async def flush(self) -> None:
+        """Send the queued speculations now."""
+        calls = self._take_pending()
+        if calls:
+            await run_scripts(self.aio, calls)
+
+    def _take_pending(self) -> list[tuple[Script, list[Any]]]:
+        calls, self._pending = self._pending, []
+        return calls
 
     async def write_loads(self, loads: dict[str, dict[str, float]], ttl_ms: int) -> None:
         cmds: list[tuple] = []

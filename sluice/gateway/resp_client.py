@@ -8,7 +8,7 @@ hiredis' C reply parser.
 
 Contract:
 - `call(*args)` sends one command and returns its reply; `pipeline(cmds)`
-  sends several in one write. Commands from all callers share one connection
+  sends several in one write (`run_scripts`: several Lua script calls). Commands from all callers share one connection
   in order, and replies complete their futures first in, first out.
 - A caller that stops waiting (timeout, cancellation) does not desynchronise
   the connection: its reply is still read, then dropped.
@@ -179,7 +179,9 @@ class RespClient:
             [("SELECT", self._db)] if self._db else [])
         try:
             async with asyncio.timeout(self.timeout_s):
-                await _replies(proto.send(b"".join(map(encode_command, setup)), len(setup)))
+                _raise_first(await asyncio.gather(
+                    *proto.send(b"".join(map(encode_command, setup)), len(setup)),
+                    return_exceptions=True))
         except BaseException as err:
             proto.fail(RedisConnectionError("connection setup failed"))
             if isinstance(err, TimeoutError):
@@ -225,13 +227,18 @@ class RespClient:
         proto = await self._ready()
         return await proto.send(encode_command(args), 1)[0]
 
-    async def pipeline(self, commands: list[tuple[Arg, ...]]) -> list[Any]:
-        """Replies of all `commands`, sent in one write; the first error is raised."""
+    async def pipeline(self, commands: list[tuple[Arg, ...]],
+                       return_exceptions: bool = False) -> list[Any]:
+        """Replies of all `commands`, sent in one write; the first error is raised,
+        or with `return_exceptions` each error takes its reply's place."""
         if not commands:
             return []
         proto = await self._ready()
-        return await _replies(proto.send(b"".join(map(encode_command, commands)),
-                                         len(commands)))
+        futs = proto.send(b"".join(map(encode_command, commands)), len(commands))
+        done = await asyncio.gather(*futs, return_exceptions=True)  # each retrieved
+        if not return_exceptions:
+            _raise_first(done)
+        return done
 
     async def aclose(self) -> None:
         if self._establishing is not None:
@@ -241,27 +248,36 @@ class RespClient:
         self._proto = None
 
 
-async def _replies(futs: list[asyncio.Future]) -> list[Any]:
-    """Results of all `futs` (each retrieved, so none warns); the first error is raised."""
-    done = await asyncio.gather(*futs, return_exceptions=True)
-    for r in done:
+def _raise_first(replies: list[Any]) -> None:
+    for r in replies:
         if isinstance(r, BaseException):
             raise r
-    return done
 
 
 class Script:
-    """A Lua script run by EVALSHA, loaded with EVAL when Redis does not have it."""
+    """A Lua script (ARGV only) run by EVALSHA, loaded with EVAL when Redis lacks it."""
 
     def __init__(self, client: RespClient, source: str) -> None:
         self.client = client
         self.source = source
         self.sha = hashlib.sha1(source.encode()).hexdigest()
 
-    async def __call__(self, keys: Sequence[Arg] = (), args: Sequence[Arg] = ()) -> Any:
-        try:
-            return await self.client.call("EVALSHA", self.sha, len(keys), *keys, *args)
-        except ResponseError as err:
-            if not str(err).startswith("NOSCRIPT"):
-                raise
-        return await self.client.call("EVAL", self.source, len(keys), *keys, *args)
+    async def __call__(self, args: Sequence[Arg]) -> Any:
+        return (await run_scripts(self.client, [(self, args)]))[0]
+
+
+async def run_scripts(client: RespClient, calls: list[tuple[Script, Sequence[Arg]]]
+                      ) -> list[Any]:
+    """The replies of several script calls sent in one write (by EVALSHA; those
+    Redis lacks, NOSCRIPT, again by EVAL); the first error is raised."""
+    replies = await client.pipeline([("EVALSHA", s.sha, 0, *a) for s, a in calls],
+                                    return_exceptions=True)
+    missing = [i for i, r in enumerate(replies)
+               if isinstance(r, ResponseError) and str(r).startswith("NOSCRIPT")]
+    if missing:
+        again = await client.pipeline([("EVAL", calls[i][0].source, 0, *calls[i][1])
+                                       for i in missing], return_exceptions=True)
+        for i, r in zip(missing, again):
+            replies[i] = r
+    _raise_first(replies)
+    return replies

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import time
@@ -70,7 +69,6 @@ class Router:
         self.soft_filters = [UnknownLoadFilter(), KVCeilingFilter(), ImbalanceGate()]
         self.picker = MaxScorePicker(cfg.seed)
         self._rr = itertools.count()
-        self._tasks: set[asyncio.Task] = set()
         c = cfg
         self.parts = {"least_load": [(c.w_queue, QueueScorer()), (c.w_kv, KVUsageScorer())],
                       "prefix": [(c.w_prefix, PrefixScorer()),
@@ -153,10 +151,5 @@ class Router:
             self.history.add_speculative(chosen.pod, keys,
                                          time.time() * 1000.0 + self.cfg.history_ttl_ms)
         elif strategy == "kv_aware" and self.index is not None:
-            write = self.index.speculate(chosen.pod, keys[chosen.hit_blocks:],
-                                         self.cfg.speculative_ttl_ms)
-            if write is None:
-                return
-            task = asyncio.get_running_loop().create_task(write)
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self.index.speculate(chosen.pod, keys[chosen.hit_blocks:],
+                                 self.cfg.speculative_ttl_ms)
