@@ -130,7 +130,7 @@ class Gateway:
             self.metrics.errors.labels("bad_request").inc()
             return error_response(400, problem[1], "invalid_request", problem[0])
         model = data["model"]
-        if model not in self.registry.models():
+        if not self.registry.serves(model):
             if self.registry.may_serve(model):  # known, but no engine of it is ready
                 self.metrics.errors.labels("no_pod").inc()
                 return error_response(503, f"no engine of model {model!r} is ready",

@@ -48,6 +48,9 @@ class PodRegistry:
     def pods_for(self, model: str) -> list[str]:
         return [p for p, models in self._models.items() if model in models]
 
+    def serves(self, model: str) -> bool:
+        return any(model in models for models in self._models.values())
+
     def models(self) -> list[str]:
         return sorted({m for models in self._models.values() for m in models})
 

@@ -1,8 +1,8 @@
 """Translate one engine's KV event batch into request-key operations ("dual keys").
 
 For `BlockStored`, the request key of each block is chained from the key of
-its parent: the parent's engine hash is looked up in the pod's map (local view,
-then Redis when a restarted gateway has not seen it), or the model's root when
+its parent: the parent's engine hash is looked up in the pod's map (the local
+view, which a restarted gateway warms from Redis), or the model's root when
 the parent is None. Blocks whose parent is unknown cannot be keyed and are
 counted as orphans (they are also absent from every request's run, so
 skipping them never creates a false hit).
