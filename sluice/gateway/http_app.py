@@ -1,6 +1,6 @@
 """What the gateway's HTTP server hands its handlers: the `App` (routes, hooks), each
 `Request`, and a `StreamWriter` for answers sent as they are produced. The
-connection behind them is `http_server._Connection` (`write`, `drain`)."""
+connection behind them is `http_server.Connection` (`write`, `drain`)."""
 
 from __future__ import annotations
 

@@ -57,6 +57,7 @@ class Connection(asyncio.Protocol):
         self._keep_alive = False
         self.error: UpstreamError | None = None
         self._head = False
+        self._interim = False
         self._chunks: list[bytes] = []
         self._buffered = 0
         self._paused = False
@@ -70,6 +71,9 @@ class Connection(asyncio.Protocol):
         self.got_bytes = True
         try:
             self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(Disconnected(f"the engine switched protocols ({self.status})"))
+            self.transport.close()
         except httptools.HttpParserError as err:
             self._fail(Disconnected(f"malformed answer: {err}"))
             self.transport.close()
@@ -92,6 +96,10 @@ class Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
+        if 100 <= self.status < 200 and self.status != 101:
+            self._interim = True  # (e.g. 103 Early Hints): the real answer follows
+            self.headers = {}
+            return
         self._head = True
         self._until_close = ("content-length" not in self.headers
                              and "chunked" not in self.headers.get("transfer-encoding", ""))
@@ -106,6 +114,9 @@ class Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
         self.complete = True
         self._keep_alive = self.parser.should_keep_alive()  # (only valid in a callback)
         self._wake()

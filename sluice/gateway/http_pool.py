@@ -36,6 +36,7 @@ class HttpPool:
         self._idle: dict[tuple, list[Connection]] = {}
         self._targets: dict[str, tuple] = {}
         self._ssl: ssl.SSLContext | None = None
+        self._swept = time.monotonic()
 
     def _target(self, base_url: str) -> tuple:
         """(host, port, tls, host header) of a base URL like http://10.0.0.5:8000."""
@@ -57,7 +58,8 @@ class HttpPool:
         host, port, tls, netloc = key = self._target(base_url)
         data = request_head(method, path, netloc, headers, len(body)) + body
         for attempt in (0, 1):
-            conn = self._pop_idle(key) or await self._connect(key, connect_timeout_s)
+            conn = (self._pop_idle(key) if attempt == 0 else None) or await self._connect(
+                key, connect_timeout_s)
             conn.send(data)
             try:
                 await conn.head(read_timeout_s)
@@ -74,15 +76,35 @@ class HttpPool:
 
     def release(self, conn: Connection) -> None:
         """Give back a connection whose answer was read to its end."""
+        now = time.monotonic()
         idle = self._idle.setdefault(conn.key, [])
         if conn.reusable() and len(idle) < self.max_idle_per_host:
             conn.reused = True
-            conn.idle_since = time.monotonic()
+            conn.idle_since = now
             idle.append(conn)
         else:
             conn.close()
+        if now - self._swept > self.idle_s:
+            self._sweep(now)
+
+    def _sweep(self, now: float) -> None:
+        """Drop expired idle connections of every host (of hosts no longer asked too)."""
+        self._swept = now
+        for key, idle in list(self._idle.items()):
+            fresh = []
+            for conn in idle:
+                if not conn.closed and conn.idle_since >= now - self.idle_s:
+                    fresh.append(conn)
+                else:
+                    conn.close()
+            if fresh:
+                self._idle[key] = fresh
+            else:
+                del self._idle[key]
 
     def _pop_idle(self, key: tuple) -> Connection | None:
+        """The newest usable idle connection to `key`, dropping closed and expired
+        ones on the way."""
         idle = self._idle.get(key)
         oldest = time.monotonic() - self.idle_s
         while idle:
