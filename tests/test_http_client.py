@@ -55,7 +55,7 @@ def test_body_framings_and_whether_the_connection_is_kept(aio, answer, kept):
     aio(main)
 
 
-def test_chunks_are_handed_over_as_they_arrive(aio):
+def test_chunks_are_handed_over_as_they_arrive_and_a_stall_is_a_read_timeout(aio):
     async def script(reader, writer, up):
         await up.read(reader)
         writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nab\r\n")

@@ -9,7 +9,7 @@ import time
 import pytest
 from http_testing import Raw, port_of, request, run_on, serving
 
-from sluice.gateway.http_server import App, HttpServer
+from sluice.gateway.http_server import MAX_PIPELINED, App, HttpServer
 from sluice.gateway.http_wire import Response
 
 
@@ -166,6 +166,30 @@ def test_stream_writes_wait_for_a_slow_reader(aio):
             assert state["written"] < 10 * 2**20
             a = await c.answer(timeout_s=8)
             assert len(a.body) == len(chunk) * n and state["max_buffer"] < 2 * 2**20
+            c.close()
+    aio(main)
+
+
+def test_reading_pauses_while_too_many_pipelined_requests_wait(aio):
+    release = asyncio.Event()
+
+    async def gated(req):
+        await release.wait()
+        return Response(200, req.query.encode())
+
+    async def main():
+        async with serving(app_with(g=gated)) as server:
+            c = await Raw.open(port_of(server))
+            n = MAX_PIPELINED + 8
+            for i in range(n):  # one segment each
+                c.send(request("GET", f"/g?{i}"))
+                await c.writer.drain()
+                await asyncio.sleep(0.005)
+            (conn,) = server.connections
+            assert not conn.transport.is_reading() and len(conn.queue) < n - 1
+            release.set()
+            assert [(await c.answer()).body for _ in range(n)] == [b"%d" % i for i in range(n)]
+            assert conn.transport.is_reading()
             c.close()
     aio(main)
 
