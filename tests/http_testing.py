@@ -16,7 +16,8 @@ import httptools
 import uvloop
 
 from sluice.gateway.http_pool import HttpPool
-from sluice.gateway.http_server import App, HttpServer
+from sluice.gateway.http_app import App
+from sluice.gateway.http_server import HttpServer
 
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 

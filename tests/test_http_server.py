@@ -10,7 +10,7 @@ import httpx
 import pytest
 from http_testing import Raw, port_of, request, run_on, serving
 
-from sluice.gateway.http_server import App
+from sluice.gateway.http_app import App
 from sluice.gateway.http_wire import Response, request_head, response_head
 
 

@@ -9,7 +9,9 @@ import time
 import pytest
 from http_testing import Raw, port_of, request, run_on, serving
 
-from sluice.gateway.http_server import MAX_PIPELINED, App, HttpServer
+from sluice.gateway.http_app import App
+from sluice.gateway.http_connection import MAX_PIPELINED
+from sluice.gateway.http_server import HttpServer
 from sluice.gateway.http_wire import Response
 
 

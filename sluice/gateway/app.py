@@ -240,7 +240,7 @@ def create_app(gateway: Gateway) -> App:
     app.on_cleanup.append(gateway.stop)
 
     def rejected(status: int) -> None:
-        if status in (400, 413):
+        if status in (400, 413, 431):
             gateway.metrics.errors.labels("bad_request").inc()
 
     app.on_reject = rejected

@@ -8,6 +8,7 @@ from sluice.gateway.http_wire import Response
 
 _TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error",
+          431: "invalid_request_error",
           429: "rate_limit_error", 502: "api_error", 503: "service_unavailable",
           504: "timeout"}
 

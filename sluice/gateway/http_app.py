@@ -56,9 +56,9 @@ class Request:
         assert self._stream is None, "one answer per request"
         if self.http10:
             self.keep_alive = False  # no chunked coding: the body ends with the connection
-        self._stream = StreamWriter(self._conn, chunked=not self.http10)
-        self._conn.write(response_head(status, headers, None, self.keep_alive,
-                                       chunked=not self.http10))
+        head = response_head(status, headers, None, self.keep_alive, chunked=not self.http10)
+        self._stream = StreamWriter(self._conn, chunked=not self.http10)  # (head was valid)
+        self._conn.write(head)
         return self._stream
 
 

@@ -37,6 +37,10 @@ class Disconnected(UpstreamError):
     """The engine closed the connection, or sent something that is not HTTP."""
 
 
+class _SwitchedProtocols(Exception):
+    pass
+
+
 class Connection(asyncio.Protocol):
     def __init__(self, key: tuple) -> None:
         self.key = key
@@ -71,10 +75,7 @@ class Connection(asyncio.Protocol):
         self.got_bytes = True
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._fail(Disconnected(f"the engine switched protocols ({self.status})"))
-            self.transport.close()
-        except httptools.HttpParserError as err:
+        except httptools.HttpParserError as err:  # (HttpParserUpgrade is one too)
             self._fail(Disconnected(f"malformed answer: {err}"))
             self.transport.close()
 
@@ -96,7 +97,10 @@ class Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
-        if 100 <= self.status < 200 and self.status != 101:
+        if self.status == 101:  # stop parsing: what follows is not HTTP
+            self._fail(Disconnected("the engine switched protocols (101)"))
+            raise _SwitchedProtocols
+        if 100 <= self.status < 200:
             self._interim = True  # (e.g. 103 Early Hints): the real answer follows
             self.headers = {}
             return

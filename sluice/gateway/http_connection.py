@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("sluice.gateway.http")
 
 MAX_PIPELINED = 16  # queued requests on one connection before reading pauses
-MAX_HEAD_BYTES = 64 * 1024  # request line and headers (431 beyond)
+MAX_HEAD_BYTES = 64 * 1024  # request line and headers (431 beyond), plus one read
 LINGER_S = 2.0
 
 
@@ -29,10 +29,6 @@ class _Reject:
 
     def __init__(self, status: int, message: str, code: str) -> None:
         self.response = error_response(status, message, code)
-
-
-class _HeadTooLarge(Exception):
-    """Raised in a parser callback to stop parsing an oversized request head."""
 
 
 class Connection(asyncio.Protocol):
@@ -51,6 +47,8 @@ class Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._url = b""
         self._headers: dict[str, str] = {}
+        self._in_head = False  # a request line or headers are being read
+        self._began_now = False  # ... since the current read
         self._head_bytes = 0
         self._body: list[bytes] = []
         self._size = 0
@@ -65,13 +63,20 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._broken:
             return
+        self._began_now = False
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._refuse(400, "protocol upgrades are not supported", "invalid_request")
         except httptools.HttpParserError as err:
-            if not isinstance(err.__context__, _HeadTooLarge):
-                self._refuse(400, f"malformed HTTP request: {err}", "invalid_request")
+            self._refuse(400, f"malformed HTTP request: {err}", "invalid_request")
+        # httptools buffers a header until its line ends: count what arrives while a
+        # head is incomplete (from the read after the one it began in)
+        if self._in_head and not self._began_now:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._refuse(431, f"request line and headers over {MAX_HEAD_BYTES} bytes",
+                             "header_too_large")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -93,19 +98,18 @@ class Connection(asyncio.Protocol):
     # -- httptools callbacks ---------------------------------------------------------------
     def on_message_begin(self) -> None:
         self._url, self._headers, self._body, self._size = b"", {}, [], 0
-        self._head_bytes = 0
+        self._in_head, self._began_now, self._head_bytes = True, True, 0
         self._too_large = False
 
     def on_url(self, url: bytes) -> None:
         self._url += url
-        self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count_head(len(name) + len(value))
         key, val = name.decode("latin-1").lower(), value.decode("latin-1")
         self._headers[key] = self._headers[key] + ", " + val if key in self._headers else val
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
         declared = self._headers.get("content-length")
         if declared is not None and int(declared) > self.app.max_body_bytes:
             self._too_large = True
@@ -137,13 +141,6 @@ class Connection(asyncio.Protocol):
         self._enqueue(Request(self, p.get_method().decode(), self._url, self._headers,
                               b"".join(self._body), p.should_keep_alive(),
                               p.get_http_version() == "1.0"))
-
-    def _count_head(self, n: int) -> None:
-        self._head_bytes += n
-        if self._head_bytes > MAX_HEAD_BYTES:
-            self._refuse(431, f"request line and headers over {MAX_HEAD_BYTES} bytes",
-                         "header_too_large")
-            raise _HeadTooLarge
 
     # -- answering ---------------------------------------------------------------------------
     def write(self, data: bytes) -> None:
@@ -220,7 +217,7 @@ class Connection(asyncio.Protocol):
             return req._stream.ended and req.keep_alive
         try:
             self._send(resp, req.keep_alive, head_only=req.method == "HEAD")
-        except (ValueError, UnicodeEncodeError):  # a header that cannot be sent
+        except (ValueError, TypeError, UnicodeEncodeError):  # not sendable
             log.exception("unsendable answer to %s %s", req.method, req.path)
             self._send(error_response(500, "internal gateway error", "internal_error"),
                        req.keep_alive)

@@ -1,5 +1,6 @@
-"""Known faults of the gateway's HTTP/1.1 server (sluice.gateway.http_server),
-each pinned by a strict xfail until it is fixed (the reason names the fix)."""
+"""Edge cases of the gateway's HTTP/1.1 server (HEAD, stalled and oversized requests,
+unread pipelined answers, unsendable answers, upgrades, refusals to a client still
+sending, shutdown), each once a fault found in review."""
 
 import asyncio
 import functools
@@ -9,7 +10,8 @@ import httpx
 import pytest
 from http_testing import Raw, port_of, request, run_on, serving
 
-from sluice.gateway.http_server import App, HttpServer
+from sluice.gateway.http_app import App
+from sluice.gateway.http_server import HttpServer
 from sluice.gateway.http_wire import Response
 
 
@@ -31,8 +33,6 @@ async def echo(req):
     return Response(200, json.dumps({"body": req.body.decode()}).encode())
 
 
-@pytest.mark.xfail(strict=True, reason="HEAD answers carry a body (RFC 9110 9.3.2); "
-                   "fix: _answer writes only the head when req.method == 'HEAD'")
 def test_head_answer_has_no_body(aio):
     async def main():
         async with serving(app_with(echo=echo)) as server:
@@ -43,9 +43,6 @@ def test_head_answer_has_no_body(aio):
     aio(main)
 
 
-@pytest.mark.xfail(strict=True, reason="data_received cancels the idle timer and nothing "
-                   "re-arms it until a request completes; fix: re-arm it after feeding "
-                   "when no request is being answered")
 def test_stalled_partial_request_is_closed(aio):
     async def main():
         async with serving(app_with(echo=echo), keepalive_s=0.2) as server:
@@ -55,8 +52,6 @@ def test_stalled_partial_request_is_closed(aio):
     aio(main)
 
 
-@pytest.mark.xfail(strict=True, reason="the request head (URL, headers) has no size limit; "
-                   "fix: count on_url/on_header bytes, refuse past e.g. 64 KiB with 431")
 def test_oversized_request_head_is_refused(aio):
     async def main():
         async with serving(app_with(echo=echo)) as server:
@@ -67,9 +62,19 @@ def test_oversized_request_head_is_refused(aio):
     aio(main)
 
 
-@pytest.mark.xfail(strict=True, reason="whole answers are written without drain(), so "
-                   "pipelined requests from a client that does not read buffer without "
-                   "bound; fix: await self.drain() after writing a whole answer")
+def test_a_header_line_that_never_ends_is_refused(aio):
+    async def main():
+        async with serving(app_with(echo=echo)) as server:
+            c = await Raw.open(port_of(server))
+            c.send(b"GET /echo HTTP/1.1\r\nhost: x\r\nx-big: ")
+            for _ in range(40):  # 160 KiB in separate reads, no line end
+                c.send(b"a" * 4096)
+                await asyncio.sleep(0.002)
+            a = await c.answer()
+            assert a.status == 431 and json.loads(a.body)["error"]["code"] == "header_too_large"
+    aio(main)
+
+
 def test_pipelined_whole_answers_wait_for_the_reader(aio):
     async def big(req):
         return Response(200, b"z" * 2**20)
@@ -99,10 +104,6 @@ async def str_body(req):
     return Response(200, "not bytes")  # type: ignore[arg-type]
 
 
-@pytest.mark.xfail(strict=True, reason="an answer that cannot be written raises in _answer "
-                   "outside the handler's try: no answer, an unretrieved task exception, the "
-                   "connection left open; fix: build the head and body inside the try (or "
-                   "catch Exception around the write) and answer 500")
 @pytest.mark.parametrize("handler", [bad_header, no_answer, str_body])
 def test_an_unwritable_handler_answer_is_a_500(aio, handler):
     async def main():
@@ -114,10 +115,6 @@ def test_an_unwritable_handler_answer_is_a_500(aio, handler):
     aio(main)
 
 
-@pytest.mark.xfail(strict=True, reason="a ConnectionResetError from the handler itself (the "
-                   "client still there) is taken for a client disconnect: no answer, no "
-                   "close; fix: in _answer re-raise it only when self.closed, else answer "
-                   "500 (or close the transport in _run's except)")
 def test_connection_reset_error_from_a_handler_does_not_hang_the_client(aio):
     async def resets(req):
         raise ConnectionResetError("some other socket")
@@ -131,10 +128,6 @@ def test_connection_reset_error_from_a_handler_does_not_hang_the_client(aio):
     aio(main)
 
 
-@pytest.mark.xfail(strict=True, reason="an Upgrade request (e.g. h2c) is handed to its "
-                   "handler with its body skipped by httptools, then a 400 follows as a "
-                   "second answer; fix: on_message_complete enqueues nothing when "
-                   "parser.should_upgrade() (the 400 alone answers it)")
 def test_upgrade_request_gets_exactly_one_answer(aio):
     async def main():
         async with serving(app_with(echo=echo)) as server:
@@ -146,10 +139,6 @@ def test_upgrade_request_gets_exactly_one_answer(aio):
     aio(main)
 
 
-@pytest.mark.xfail(strict=True, reason="the 413 is followed by close() with unread input, "
-                   "so the kernel resets the connection and a client still sending never "
-                   "reads the 413; fix: after the 413, write_eof() and keep reading (and "
-                   "discarding) for a bounded time/size, then close (lingering close)")
 def test_413_reaches_a_client_still_sending_its_body(aio):
     async def main():
         async with serving(app_with(echo=echo)) as server:
@@ -160,10 +149,6 @@ def test_413_reaches_a_client_still_sending_its_body(aio):
     aio(main)
 
 
-@pytest.mark.xfail(strict=True, reason="stop() ends connections with transport.close(), which "
-                   "waits for the write buffer to drain: a stream to a client that does not "
-                   "read is never cut, its handler never cancelled; fix: transport.abort() "
-                   "after grace_s")
 def test_stop_cuts_a_stream_to_a_client_that_does_not_read(aio):
     seen = []
 
@@ -189,10 +174,6 @@ def test_stop_cuts_a_stream_to_a_client_that_does_not_read(aio):
     aio(main)
 
 
-@pytest.mark.xfail(strict=True, reason="stop() runs on_cleanup right after closing the "
-                   "connections, before the cancelled handlers have unwound (they may still "
-                   "use what cleanup closes, e.g. the HttpPool); fix: after closing, await "
-                   "the connections' tasks (asyncio.wait, bounded) before the hooks")
 def test_stop_cleans_up_after_the_cancelled_handlers_finished(aio):
     events = []
 
@@ -220,11 +201,6 @@ def test_stop_cleans_up_after_the_cancelled_handlers_finished(aio):
     aio(main)
 
 
-@pytest.mark.xfail(strict=True, reason="connection_lost sets an exception on the drain waiter "
-                   "that nobody awaits when no write is waiting (a whole answer over the "
-                   "high-water mark): asyncio logs 'Future exception was never retrieved'; "
-                   "fix: resolve the waiter with set_result(None) and have drain() raise "
-                   "ConnectionResetError when self.closed after waiting")
 def test_client_leaving_a_large_whole_answer_logs_no_loop_error(aio):
     async def big(req):
         return Response(200, b"z" * (8 * 2**20))

@@ -1,6 +1,6 @@
-"""Known faults of the gateway's engine client and pool (sluice.gateway.http_client,
-sluice.gateway.http_pool), each pinned by a strict xfail until it is fixed (the
-reason names the fix)."""
+"""Edge cases of the gateway's engine client and pool (stale retry on a new
+connection, interim 1xx answers, protocol switches, idle connections of hosts no
+longer asked), each once a fault found in review."""
 
 import asyncio
 import functools
@@ -19,10 +19,6 @@ def aio(request):
     return functools.partial(run_on, request.param)
 
 
-@pytest.mark.xfail(strict=True, reason="HttpPool.request's retry after a stale connection "
-                   "pops another idle connection (as stale, when the engine closed them all) "
-                   "instead of opening a new one as documented; fix: on attempt 1 use "
-                   "`await self._connect(key, connect_timeout_s)`, not _pop_idle")
 def test_retry_after_a_stale_connection_uses_a_new_connection(aio):
     async def script(reader, writer, up):
         first = len(up.peers) <= 2
@@ -46,10 +42,6 @@ def test_retry_after_a_stale_connection_uses_a_new_connection(aio):
     aio(main)
 
 
-@pytest.mark.xfail(strict=True, reason="a 1xx interim answer (here 103 Early Hints, arriving "
-                   "in its own read) is taken for the final answer: status 103, empty body; "
-                   "fix: in on_headers_complete/on_message_complete ignore a message whose "
-                   "status is 100..199 (other than 101), clearing its headers")
 def test_an_informational_answer_is_skipped(aio):
     async def script(reader, writer, up):
         await up.read(reader)
@@ -68,11 +60,6 @@ def test_an_informational_answer_is_skipped(aio):
     aio(main)
 
 
-@pytest.mark.xfail(strict=True, reason="idle connections are expired only when their own "
-                   "host is asked again: those of a pod that went away (and its _targets "
-                   "entry) stay in the pool for good, a slow leak under pod churn; fix: "
-                   "sweep every host's idle list (closed or older than idle_s) at most once "
-                   "per idle_s from request(), deleting empty entries")
 def test_connections_of_a_host_no_longer_asked_are_dropped(aio):
     async def once(reader, writer, up):
         await up.read(reader)
@@ -94,11 +81,6 @@ def test_connections_of_a_host_no_longer_asked_are_dropped(aio):
     aio(main)
 
 
-@pytest.mark.xfail(strict=True, reason="a 101 answer makes httptools raise HttpParserUpgrade, "
-                   "which Connection.data_received does not catch: the loop logs a fatal "
-                   "protocol error and the caller gets status 101 with an empty body; fix: "
-                   "in on_headers_complete raise on status 101 (feed_data turns it into "
-                   "HttpParserCallbackError: a Disconnected 'malformed answer')")
 def test_a_protocol_switch_answer_is_a_disconnect(aio):
     async def script(reader, writer, up):
         await up.read(reader)
