@@ -235,7 +235,13 @@ class RespClient:
             return []
         proto = await self._ready()
         futs = proto.send(b"".join(map(encode_command, commands)), len(commands))
-        done = await asyncio.gather(*futs, return_exceptions=True)  # each retrieved
+        if len(futs) == 1:  # (no gather: the common case, a lookup)
+            try:
+                done = [await futs[0]]
+            except (RedisConnectionError, ResponseError) as err:
+                done = [err]
+        else:
+            done = await asyncio.gather(*futs, return_exceptions=True)  # each retrieved
         if not return_exceptions:
             _raise_first(done)
         return done
