@@ -27,8 +27,8 @@ from sluice.gateway.discovery import Discovery
 from sluice.gateway.errors import error_response
 from sluice.gateway.event_feed import EventFeeder
 from sluice.gateway.health import HealthTracker
-from sluice.gateway.http_pool import HttpPool
 from sluice.gateway.http_app import App, Request
+from sluice.gateway.http_pool import HttpPool
 from sluice.gateway.http_wire import Response
 from sluice.gateway.load import LoadScraper, LoadTable
 from sluice.gateway.local_index import LocalIndex, LocalIndexConfig

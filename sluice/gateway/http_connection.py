@@ -250,4 +250,7 @@ class Connection(asyncio.Protocol):
     def _expire(self) -> None:
         self._timer = None
         if self.task is None and not self.closed:
-            self.transport.abort() if self._broken else self.transport.close()
+            if self._broken:
+                self.transport.abort()  # (lingered long enough)
+            else:
+                self.transport.close()
