@@ -5,6 +5,7 @@ sending, shutdown), each once a fault found in review."""
 import asyncio
 import functools
 import json
+import time
 
 import httpx
 import pytest
@@ -213,3 +214,52 @@ def test_client_leaving_a_large_whole_answer_logs_no_loop_error(aio):
             c.close()
             await asyncio.sleep(0.2)
     aio(main)  # run_on fails on the loop's error report
+
+
+def test_a_client_that_stops_reading_is_cut_after_write_timeout_s(aio):
+    seen = []
+
+    async def flood(req):
+        out = req.stream(200, {"content-type": "text/plain"})
+        try:
+            while True:
+                await out.write(b"x" * 65536)
+        except (ConnectionResetError, asyncio.CancelledError) as err:
+            seen.append(type(err).__name__)
+            raise
+
+    async def main():
+        server = HttpServer(app_with(f=flood), write_timeout_s=0.3)
+        await server.start("127.0.0.1", 0)
+        c = await Raw.open(port_of(server), rcvbuf=4096)
+        c.send(request("GET", "/f"))
+        deadline = time.monotonic() + 3
+        while not seen and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert seen and not server.connections
+        c.close()
+        await server.stop()
+    aio(main)
+
+
+def test_answers_during_stop_close_their_connection(aio):
+    release = asyncio.Event()
+
+    async def slow(req):
+        await release.wait()
+        return Response(200, b"finished")
+
+    async def main():
+        server = HttpServer(app_with(s=slow), keepalive_s=5, grace_s=3)
+        await server.start("127.0.0.1", 0)
+        busy = await Raw.open(port_of(server))
+        busy.send(request("GET", "/s"))
+        await asyncio.sleep(0.05)
+        stopping = asyncio.create_task(server.stop())
+        await asyncio.sleep(0.05)
+        release.set()
+        a = await busy.answer()
+        assert a.body == b"finished" and a.headers.get("connection") == "close"
+        assert await busy.rest(timeout_s=1) == b""
+        await stopping
+    aio(main)

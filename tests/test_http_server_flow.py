@@ -280,3 +280,4 @@ def test_stop_cancels_a_handler_still_running_after_grace_s(aio):
         await asyncio.sleep(0.01)
         assert seen == ["cancelled"]
     aio(main)
+

@@ -150,9 +150,14 @@ class Connection(asyncio.Protocol):
 
     async def drain(self) -> None:
         """Wait while the client reads slower than we write; ConnectionResetError
-        once it is gone."""
+        once it is gone, or when it read nothing for `write_timeout_s`."""
         if self._drain_waiter is not None:
-            await asyncio.shield(self._drain_waiter)
+            try:
+                async with asyncio.timeout(self.server.write_timeout_s):
+                    await asyncio.shield(self._drain_waiter)
+            except TimeoutError:
+                self.transport.abort()  # it stopped reading: free its handler
+                raise ConnectionResetError("client stopped reading") from None
         if self.closed:
             raise ConnectionResetError("client disconnected")
 
@@ -194,6 +199,8 @@ class Connection(asyncio.Protocol):
 
     async def _answer(self, req: Request) -> bool:
         """Run the request's handler and send its answer; False: close the connection."""
+        if self.server.stopping:
+            req.keep_alive = False
         methods = self.app.routes.get(req.path)
         handler = methods.get(req.method) if methods else None
         if handler is None:
@@ -215,6 +222,7 @@ class Connection(asyncio.Protocol):
                 resp = error_response(500, "internal gateway error", "internal_error")
         if req._stream is not None:
             return req._stream.ended and req.keep_alive
+        req.keep_alive = req.keep_alive and not self.server.stopping
         try:
             self._send(resp, req.keep_alive, head_only=req.method == "HEAD")
         except (ValueError, TypeError, UnicodeEncodeError):  # not sendable

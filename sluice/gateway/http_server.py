@@ -22,8 +22,11 @@ gateway needs:
   stalled mid-request); a request head is at most MAX_HEAD_BYTES (431);
   after a refusal the connection lingers, reading and dropping input, so the
   client gets the answer before the close. HEAD answers carry no body.
-- `stop()` stops listening, lets running handlers finish for `grace_s`, then
-  cancels them and waits for them before the cleanup hooks.
+- A client that reads nothing of a pending answer for `write_timeout_s` is cut
+  (its handler cancelled).
+- `stop()` stops listening, lets running handlers finish for `grace_s` (their
+  answers close the connection), then cancels them and waits for them before
+  the cleanup hooks.
 """
 
 from __future__ import annotations
@@ -35,11 +38,14 @@ from sluice.gateway.http_connection import Connection
 
 
 class HttpServer:
-    def __init__(self, app: App, keepalive_s: float = 75.0, grace_s: float = 10.0) -> None:
-        assert keepalive_s > 0 and grace_s >= 0
+    def __init__(self, app: App, keepalive_s: float = 75.0, grace_s: float = 10.0,
+                 write_timeout_s: float = 60.0) -> None:
+        assert keepalive_s > 0 and grace_s >= 0 and write_timeout_s > 0
         self.app = app
         self.keepalive_s = keepalive_s
         self.grace_s = grace_s
+        self.write_timeout_s = write_timeout_s
+        self.stopping = False
         self.connections: set[Connection] = set()
         self._server: asyncio.base_events.Server | None = None
 
@@ -54,6 +60,7 @@ class HttpServer:
         then cut every connection left, wait for the cancelled handlers to end,
         and run the cleanup hooks."""
         loop = asyncio.get_running_loop()
+        self.stopping = True  # answers from now on close their connection
         if self._server is not None:
             self._server.close()
         for conn in list(self.connections):
