@@ -71,6 +71,15 @@ def test_resync_leaves_a_pod_that_redis_holds_further_alone(srv):
     assert r.get(ik.pod_seq_key(POD)) == b"6"
 
 
+def test_a_pod_being_rewritten_has_no_position_to_warm_from(srv):
+    r = redis.Redis(port=srv.port)
+    index = RedisIndex.from_url(f"redis://127.0.0.1:{srv.port}/0", 1.0)
+    assert index.apply(POD, 4, one_store(4), ts=104.0)
+    assert index.stored_position(POD) == (4, 104.0)
+    r.hset(ik.pod_sync_key(POD), mapping={"owner": "other", "until": time.time() * 1e3 + 1e4})
+    assert index.stored_position(POD) is None  # half rewritten: replay, don't warm
+
+
 @pytest.mark.parametrize("stored, rewritten", [
     ((6, 106.0), False),  # another replica applied further
     ((5, 105.0), False),  # as far

@@ -138,9 +138,15 @@ class RedisIndex:
                                          time.time() * 1000.0, "", 0]))
 
     def stored_position(self, pod: str) -> tuple[int, float] | None:
-        """(seq, ts) of the pod's last applied batch; ts 0.0 when unknown."""
-        seq, ts = self.sync.mget(ik.pod_seq_key(pod), ik.pod_ts_key(pod))
-        return None if seq is None else (int(seq), float(ts or 0.0))
+        """(seq, ts) of the pod's last applied batch; ts 0.0 when unknown. None also
+        while another replica rewrites the pod (fenced): its entries are half
+        rewritten, so a gateway starting then replays the engine instead of
+        warming from them."""
+        pipe = self.sync.pipeline(transaction=False)
+        pipe.mget(ik.pod_seq_key(pod), ik.pod_ts_key(pod))
+        pipe.exists(ik.pod_sync_key(pod))
+        (seq, ts), fenced = pipe.execute()
+        return None if seq is None or fenced else (int(seq), float(ts or 0.0))
 
     def load_hashes(self, pod: str) -> dict[str, str]:
         """The pod's engine-hash -> key map (to warm a restarted gateway)."""
