@@ -214,8 +214,9 @@ class Connection(asyncio.Protocol):
                 if resp is None and req._stream is None:
                     raise RuntimeError("the handler neither answered nor streamed")
             except Exception as err:  # noqa: BLE001 -- a bug must still answer like the API
-                if isinstance(err, ConnectionResetError) and self.closed:
-                    return False  # the client left
+                if isinstance(err, ConnectionResetError) and (
+                        self.closed or self.transport.is_closing()):
+                    return False  # the client left (or was cut for not reading)
                 log.exception("internal error on %s %s", req.method, req.path)
                 if req._stream is not None:
                     return False  # an answer already began: cut it
