@@ -32,9 +32,12 @@ gateway needs:
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from sluice.gateway.http_app import App
 from sluice.gateway.http_connection import Connection
+
+log = logging.getLogger("sluice.gateway.http")
 
 
 class HttpServer:
@@ -84,6 +87,7 @@ def serve(app: App, host: str, port: int) -> None:
     async def main() -> None:
         server = HttpServer(app)
         await server.start(host, port)
+        log.info("listening on http://%s:%d", host, port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
