@@ -38,6 +38,20 @@ def test_sequential_requests_reuse_one_connection(aio):
     aio(main)
 
 
+def test_user_info_in_an_engine_url_stays_out_of_the_host_header(aio):
+    async def main():
+        async with Upstream(answer_each) as up:
+            pool = HttpPool()
+            url = up.url.replace("http://", "http://user:secret@")
+            assert await fetch(pool, url) == b"ok"
+            host = up.url.removeprefix("http://")
+            head = f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\n".encode()
+            assert up.requests[0].startswith(head)
+            assert b"secret" not in up.requests[0]
+            await pool.close()
+    aio(main)
+
+
 def test_a_connection_released_before_its_body_was_read_is_not_reused(aio):
     big = b"HTTP/1.1 200 OK\r\ncontent-length: 100000\r\n\r\n" + b"b" * 100000
 

@@ -47,7 +47,8 @@ class HttpPool:
                 raise ConnectError(f"not an http(s) URL: {base_url!r}")
             tls = u.scheme == "https"
             port = u.port or (443 if tls else 80)
-            t = self._targets[base_url] = (u.hostname, port, tls, u.netloc)
+            host = u.netloc.rpartition("@")[2]  # the Host header: no user info
+            t = self._targets[base_url] = (u.hostname, port, tls, host)
         return t
 
     async def request(self, base_url: str, method: str, path: str, headers: dict[str, str],
