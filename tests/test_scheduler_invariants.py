@@ -18,6 +18,7 @@ workload = st.fixed_dictionaries({
     "block_size": st.sampled_from([1, 2, 4, 16]),
     "num_blocks": st.integers(8, 64),
     "budget": st.integers(1, 96),
+    "threshold": st.sampled_from([0, 0, 1, 3, 8, 24]),
     "max_num_seqs": st.integers(1, 8),
     "num_requests": st.integers(1, 12),
     "abort_rate": st.floats(0.0, 0.2),
@@ -33,7 +34,9 @@ def test_random_workload_keeps_invariants(w):
     kv = KVCacheManager(w["num_blocks"], bs, w["prefix_caching"])
     max_model_len = w["num_blocks"] * bs
     sched = Scheduler(SchedulerConfig(max_num_seqs=w["max_num_seqs"],
-                                      max_num_batched_tokens=w["budget"]), kv, max_model_len)
+                                      max_num_batched_tokens=w["budget"],
+                                      long_prefill_token_threshold=w["threshold"]),
+                      kv, max_model_len)
     prefixes = [[rng.randrange(100) for _ in range(rng.randint(1, 40))] for _ in range(3)]
     live: dict[str, Request] = {}
     finished: set[str] = set()
@@ -60,6 +63,7 @@ def test_random_workload_keeps_invariants(w):
             table = kv.block_table(req.request_id)
             assert len(table) * bs >= req.num_computed_tokens + n, "slots missing for the step"
             assert req.num_computed_tokens + n <= req.num_tokens
+            assert n <= (w["threshold"] or n), "long_prefill_token_threshold caps each chunk"
         for req in out.preempted:
             assert req.num_computed_tokens == 0 and not kv.block_table(req.request_id)
         kv.check_invariants()
@@ -94,6 +98,27 @@ def test_prefix_hit_revives_free_cached_blocks():
     assert b.num_cached_tokens == 8 and out.scheduled == [(b, 2)]
     assert out.num_prefix_hits == 8 and out.num_prefix_queries == 10
     kv.check_invariants()
+
+
+def test_long_prefill_threshold_lets_a_short_prompt_start_beside_a_long_one():
+    def first_steps(threshold):
+        kv = KVCacheManager(64, 4, True)
+        sched = Scheduler(SchedulerConfig(max_num_batched_tokens=100,
+                                          long_prefill_token_threshold=threshold), kv, 256)
+        long, short = (Request("long", list(range(200)), SamplingParams(max_tokens=1)),
+                       Request("short", list(range(500, 510)), SamplingParams(max_tokens=1)))
+        sched.add(long)
+        sched.add(short)
+        steps = []
+        for _ in range(2):
+            out = sched.schedule()
+            steps.append([(r.request_id, n) for r, n in out.scheduled])
+            for req in sched.update_after_step(out):
+                req.token_ids.append(7)
+        return steps
+
+    assert first_steps(0) == [[("long", 100)], [("long", 100)]], "no cap: the long one takes all"
+    assert first_steps(32) == [[("long", 32), ("short", 10)], [("long", 32), ("short", 1)]]
 
 
 def test_lru_eviction_emits_events():

@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="at most this many prompt tokens of one request per step (0: no "
+                        "cap), so short prompts are not queued behind a long prefill")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="bounded waiting queue; beyond it requests get 429")
@@ -72,6 +75,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                           num_blocks=args.num_kv_blocks),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
+                                  long_prefill_token_threshold=(
+                                      args.long_prefill_token_threshold),
                                   max_model_len=args.max_model_len,
                                   max_waiting_requests=args.max_waiting_requests),
     )

@@ -99,8 +99,14 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # vLLM's long_prefill_token_threshold: a request computes at most this many prompt
+    # tokens per step (0: no cap), so a long prefill shares each step with short ones
+    long_prefill_token_threshold: int = 0
     max_model_len: int | None = None  # None: the model's and the pool's limit
     max_waiting_requests: int = 1024
+
+    def __post_init__(self) -> None:
+        assert self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold >= 0"
 
 
 @dataclass(frozen=True)

@@ -45,19 +45,20 @@ class Scheduler:
         # Policy, one step:
         # 1. Running requests first, oldest first: each gets the tokens it still needs
         #    (1 for a decode, the rest of its prompt for a chunked prefill), capped by
-        #    what is left of the step's token budget.
+        #    what is left of the step's token budget and by long_prefill_token_threshold.
         # 2. If the KV pool cannot cover a running request, preempt the newest running
         #    request (free its blocks; it goes back to the front of the waiting queue and
         #    recomputes later, usually hitting the prefix cache) until it fits.
         # 3. Then admit waiting requests in arrival order while budget, max_num_seqs and
         #    blocks allow (none after a preemption in this step): take their cached prefix
-        #    blocks, and chunk the rest of the prompt to the remaining budget.
+        #    blocks, and chunk the rest of the prompt to the remaining budget (and the
+        #    threshold), so a short prompt starts beside a long prefill, not after it.
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
             assert num_new > 0, "a running request always has a token to compute"
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running.pop()
@@ -74,7 +75,7 @@ class Scheduler:
             req = self.waiting[0]
             hits = self.kv.get_computed_blocks(req)
             num_hit_tokens = len(hits) * self.kv.block_size
-            num_new = min(req.num_tokens - num_hit_tokens, budget)
+            num_new = self._chunk(req.num_tokens - num_hit_tokens, budget)
             if not self.kv.allocate_slots(req, num_new, hits):
                 break
             self.waiting.popleft()
@@ -91,6 +92,10 @@ class Scheduler:
             budget -= num_new
         assert budget >= 0 and len(self.running) <= self.config.max_num_seqs
         return out
+
+    def _chunk(self, num_remaining: int, budget: int) -> int:
+        cap = self.config.long_prefill_token_threshold
+        return min(num_remaining, budget, cap) if cap > 0 else min(num_remaining, budget)
 
     def update_after_step(self, out: SchedulerOutput) -> list[Request]:
         """Advance num_computed_tokens; return the requests that must sample a token now."""
