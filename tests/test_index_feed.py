@@ -454,3 +454,21 @@ def test_gateway_restart_after_an_engine_restart_past_the_stored_seq(srv):
     finally:
         feeder.stop()
         pub2.close()
+
+
+def test_lookups_that_redis_does_not_answer_in_time_use_the_local_view(srv):
+    index = PrefixIndex(LocalIndex(), RedisIndex.from_url(f"redis://127.0.0.1:{srv.port}/0",
+                                                          0.5), lookup_timeout_s=0.1)
+    keys = request_keys(MODEL, BS, TOKENS)
+    index.apply("p:1", 0, [(f"e{i}", keys[i]) for i in range(2)], [], False, BS, ts=1.0)
+    assert hits(index, TOKENS, ["p:1"]) == {"p:1": 2}
+    srv.pause()  # Redis stops answering, its connection stays open
+    try:
+        for _ in range(PrefixIndex.MAX_SLOW_LOOKUPS):
+            assert index.mode == "redis", "a few slow answers are no outage"
+            t0 = time.monotonic()
+            assert hits(index, TOKENS, ["p:1"]) == {"p:1": 2}  # the local view's answer
+            assert time.monotonic() - t0 < 0.4, "bounded by lookup_timeout_s"
+        assert index.mode == "local"
+    finally:
+        srv.resume()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import redis
@@ -189,3 +190,31 @@ def test_script_is_loaded_when_redis_does_not_have_it():
             assert await c.call("PING") == b"PONG"
             await c.aclose()
         run(main())
+
+
+def test_a_deadline_bounds_a_call_and_a_connect_that_get_no_answer():
+    async def main():
+        # a server that accepts and never answers: the SELECT of /1 waits for good
+        mute = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = mute.sockets[0].getsockname()[1]
+        c = RespClient(f"redis://127.0.0.1:{port}/1", timeout_s=5.0)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await c.call("PING", deadline=t0 + 0.1)  # the connect is bounded, not 5 s
+        assert time.monotonic() - t0 < 1.0
+        mute.close()
+        await c.aclose()
+
+        with RedisServer() as srv:
+            proxy = SilentProxy(srv.port)
+            c = RespClient(f"redis://127.0.0.1:{await proxy.start()}/0", timeout_s=5.0)
+            assert await c.call("PING", deadline=time.monotonic() + 2) == b"PONG"
+            proxy.silent = True
+            for n in (1, 3):  # one call, and a pipeline of three
+                t0 = time.monotonic()
+                with pytest.raises(TimeoutError):
+                    await c.pipeline([("PING",)] * n, deadline=t0 + 0.1)
+                assert 0.09 < time.monotonic() - t0 < 1.0
+            proxy.server.close()
+            await c.aclose()
+    run(main())

@@ -206,8 +206,8 @@ class PrefixIndex:
         """(hits per pod, loads from Redis or None when the caller must use local loads)."""
         if self.redis is not None and not self._degraded:
             try:
-                async with asyncio.timeout(self.lookup_timeout_s):  # no extra task, unlike wait_for
-                    found = await self.redis.lookup(keys, pods, now_ms())
+                found = await self.redis.lookup(keys, pods, now_ms(),
+                                                 time.monotonic() + self.lookup_timeout_s)
                 self._slow = 0
                 return found
             except TimeoutError:
@@ -246,8 +246,7 @@ class PrefixIndex:
     async def _flush(self) -> None:
         assert self.redis is not None
         try:
-            async with asyncio.timeout(self.lookup_timeout_s * 4):
-                await self.redis.flush()
+            await self.redis.flush(time.monotonic() + self.lookup_timeout_s * 4)
         except TimeoutError:  # (only a lookup in time resets the count)
             self._timed_out()
         except (RedisError, OSError) as err:

@@ -171,10 +171,13 @@ class RedisIndex:
         pipe.sadd(ik.pool_pods_key(namespace, pool), pod)
         pipe.execute()
 
-    async def lookup(self, keys: list[str], pods: list[str], now_ms: float
+    async def lookup(self, keys: list[str], pods: list[str], now_ms: float,
+                     deadline: float | None = None
                      ) -> tuple[dict[str, int], dict[str, dict[str, float]]]:
-        """Per pod its run of leading keys held, and every pod's load entry."""
-        hits_flat, loads = await self._lookup([P, now_ms, len(pods), *pods, _blob(keys)])
+        """Per pod its run of leading keys held, and every pod's load entry;
+        TimeoutError past `deadline` (`time.monotonic()`)."""
+        hits_flat, loads = await self._lookup([P, now_ms, len(pods), *pods, _blob(keys)],
+                                              deadline)
         hits = {_s(hits_flat[i]): int(hits_flat[i + 1]) for i in range(0, len(hits_flat), 2)}
         table = {_s(row[0]): {"waiting": float(row[1]), "running": float(row[2]),
                               "kv_usage": float(row[3]), "ts_ms": float(row[4])}
@@ -190,11 +193,11 @@ class RedisIndex:
     def pending(self) -> int:
         return len(self._pending)
 
-    async def flush(self) -> None:
+    async def flush(self, deadline: float | None = None) -> None:
         """Send the queued speculations now."""
         calls = self._take_pending()
         if calls:
-            await run_scripts(self.aio, calls)
+            await run_scripts(self.aio, calls, deadline)
 
     def _take_pending(self) -> list[tuple[Script, list[Any]]]:
         calls, self._pending = self._pending, []
