@@ -128,9 +128,10 @@ def test_batches_of_other_replicas_wait_for_a_resync_to_end(srv):
     assert not b.apply(POD, 6, evict_e1, ts=106.0)  # applied once
 
 
-def test_a_rewrite_abandoned_half_way_is_taken_over(srv):
+def test_a_rewrite_abandoned_half_way_is_taken_over(srv, monkeypatch):
     """Replica A dies in the middle of a re-sync: B's batches are refused while A's
-    lease lasts, then B rewrites the pod from its own view."""
+    lease lasts (on Redis's clock: B's own clock may be far ahead), then B rewrites
+    the pod from its own view."""
     url = f"redis://127.0.0.1:{srv.port}/0"
     b = PrefixIndex(LocalIndex(), RedisIndex.from_url(url, 1.0))
     for i in range(4):
@@ -146,8 +147,11 @@ def test_a_rewrite_abandoned_half_way_is_taken_over(srv):
         a.resync(POD, 5, 105.0, {f"f{j}": f"{j + 100:016x}" for j in range(12_000)}, BS)
     r = redis.Redis(port=srv.port)
     assert r.exists(ik.pod_sync_key(POD)) and 0 < r.scard(ik.pod_keys_key(POD)) < 12_000
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + 3600)  # B's clock: 1 h ahead
     b.apply(POD, 4, [("e4", key(4))], [], False, BS, ts=104.0)  # fenced: refused
-    assert r.get(ik.pod_seq_key(POD)) == b"3"
+    monkeypatch.undo()
+    assert r.get(ik.pod_seq_key(POD)) == b"3" and r.exists(ik.pod_sync_key(POD))
     time.sleep(0.35)
     b.apply(POD, 5, [("e5", key(5))], [], False, BS, ts=105.0)  # lapsed: B re-syncs
     assert held(r) == {key(i) for i in range(6)} and r.get(ik.pod_seq_key(POD)) == b"5"

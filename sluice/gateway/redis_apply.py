@@ -32,23 +32,34 @@ class Outcome(enum.IntEnum):
     RESYNC = 2    # the pod's rewrite was abandoned half-way: rewrite it
 
 
+# Fence leases are on Redis's clock, so replicas' clocks need not agree. TIME is
+# non-deterministic: with script effects replication (the default since Redis 5)
+# a script may still write after it.
+SERVER_NOW_MS = """
+redis.replicate_commands()
+local function server_now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
+
 # ARGV: prefix, pod, seq, ops = msgpack [cleared 0|1, block_size|0, stored fields,
-# stored keys, removed fields], batch ts, now_ms, owner, lease_ms. Effects are applied
+# stored keys, removed fields], batch ts, owner, lease_ms. Effects are applied
 # in that order (clear, store, remove). owner '': a feed batch (seq >= 0, sets the
 # pod's seq and ts); else a rewrite chunk, applied only under that owner's fence
 # (whose lease it renews), seq and ts untouched.
 # Counts: a key is in `keys` (and the pod in its `blk`) while at least one engine hash
 # maps to it; `kdup` counts the others (see index_keys). A field stored again with
 # the same key changes nothing; with another key it moves from the old key to it.
-APPLY = """
-local P, pod, seq, now, owner = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[6]), ARGV[7]
+APPLY = SERVER_NOW_MS + """
+local P, pod, seq, owner = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[6]
 local base = P..'pod:'..pod..':'
 local fence = redis.call('HMGET', base..'sync', 'owner', 'until')
 if owner ~= '' then
   if fence[1] ~= owner then return 0 end
-  redis.call('HSET', base..'sync', 'until', now + tonumber(ARGV[8]))
+  redis.call('HSET', base..'sync', 'until', server_now_ms() + tonumber(ARGV[7]))
 elseif fence[1] then
-  if tonumber(fence[2]) > now then return 0 end
+  if tonumber(fence[2]) > server_now_ms() then return 0 end
   return 2
 elseif seq <= tonumber(redis.call('GET', base..'seq') or '-1') then
   return 0

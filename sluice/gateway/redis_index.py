@@ -19,7 +19,6 @@ operation is one Lua script, so it is atomic and costs one round trip:
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Any
 
@@ -134,8 +133,7 @@ class RedisIndex:
     def apply(self, pod: str, seq: int, ops: bytes, ts: float = 0.0) -> Outcome:
         """Apply feed batch `seq` (>= 0) of `pod`, unless stale or fenced."""
         assert seq >= 0, seq
-        return Outcome(self._apply(args=[P, pod, seq, ops, repr(float(ts)),
-                                         time.time() * 1000.0, "", 0]))
+        return Outcome(self._apply(args=[P, pod, seq, ops, repr(float(ts)), "", 0]))
 
     def stored_position(self, pod: str) -> tuple[int, float] | None:
         """(seq, ts) of the pod's last applied batch; ts 0.0 when unknown. None also

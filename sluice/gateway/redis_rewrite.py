@@ -27,20 +27,19 @@ refuses the pod's feed batches from every replica: the rewriter applies them
 itself afterwards, feeding on from the position it wrote (it receives every
 batch; after a restart purge it replays the engine from 0). So no batch applied
 by another replica is lost to a purge, and none is refused as stale before it
-is in Redis. Leases are compared with each replica's clock (like speculative
-entries): they need to agree to well under the lease.
+is in Redis. Leases are kept on Redis's clock (`TIME`), so the replicas' clocks
+need not agree.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from sluice.gateway.redis_apply import P, Outcome, encode_ops
+from sluice.gateway.redis_apply import SERVER_NOW_MS, P, Outcome, encode_ops
 
 CHUNK = 5000  # view entries per APPLY call
 
-# ARGV: prefix, pod, owner, now_ms, lease_ms, mode, mode args -> 1: claimed, 0: skip.
+# ARGV: prefix, pod, owner, lease_ms, mode, mode args -> 1: claimed, 0: skip.
 # mode "resync" (seq, ts: the replica's position): due unless Redis's (ts, seq) is
 # not older. mode "restart" (last_ts: the replica's last batch of the old engine;
 # seq, ts: the batch of the new one that showed the restart, seq <= the replica's
@@ -49,33 +48,33 @@ CHUNK = 5000  # view entries per APPLY call
 # old engine's batches past the replica's has a seq above the replica's, hence at
 # least that batch's seq, with an older ts. A pod with no seq and no fence has no
 # entries (purged, or never fed): a restart purge of it is skipped.
-CLAIM = """
-local P, pod, owner, now = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+CLAIM = SERVER_NOW_MS + """
+local P, pod, owner, now = ARGV[1], ARGV[2], ARGV[3], server_now_ms()
 local base = P..'pod:'..pod..':'
 local fence = redis.call('HMGET', base..'sync', 'owner', 'until')
 if fence[1] and fence[1] ~= owner and tonumber(fence[2]) > now then return 0 end
 local rseq = tonumber(redis.call('GET', base..'seq') or '-1')
 local rts = tonumber(redis.call('GET', base..'ts') or '0')
 if not fence[1] then
-  if ARGV[6] == 'resync' then
-    local seq, ts = tonumber(ARGV[7]), tonumber(ARGV[8])
+  if ARGV[5] == 'resync' then
+    local seq, ts = tonumber(ARGV[6]), tonumber(ARGV[7])
     if rseq >= 0 and (rts > ts or (rts == ts and rseq >= seq)) then return 0 end
   else
-    local last_ts, seq, ts = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+    local last_ts, seq, ts = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
     if rseq < 0 or (rts > last_ts and (rseq < seq or rts >= ts)) then return 0 end
   end
 end
-redis.call('HSET', base..'sync', 'owner', owner, 'until', now + tonumber(ARGV[5]))
+redis.call('HSET', base..'sync', 'owner', owner, 'until', now + tonumber(ARGV[4]))
 return 1
 """
 
-# ARGV: prefix, pod, owner, now_ms, lease_ms -> 1: more to purge, 0: purged, -1: not
-# (or no longer) the fence's owner.
-PURGE_STEP = """
+# ARGV: prefix, pod, owner, lease_ms -> 1: more to purge, 0: purged, -1: not (or no
+# longer) the fence's owner.
+PURGE_STEP = SERVER_NOW_MS + """
 local P, pod = ARGV[1], ARGV[2]
 local base = P..'pod:'..pod..':'
 if redis.call('HGET', base..'sync', 'owner') ~= ARGV[3] then return -1 end
-redis.call('HSET', base..'sync', 'until', tonumber(ARGV[4]) + tonumber(ARGV[5]))
+redis.call('HSET', base..'sync', 'until', server_now_ms() + tonumber(ARGV[4]))
 local popped = redis.call('SPOP', base..'keys', 1000)
 for _, k in ipairs(popped) do redis.call('SREM', P..'blk:'..k, pod) end
 if #popped > 0 then return 1 end
@@ -129,10 +128,9 @@ class PodRewriter:
     def _rewrite(self, pod: str, guard: list[Any], hashes: dict[str, str],
                  block_size: int | None, seq: int, ts: float) -> bool:
         """The protocol above: False when CLAIM skips it or the fence was lost."""
-        if not self._claim(args=[P, pod, self.owner, _now_ms(), self.lease_ms, *guard]):
+        if not self._claim(args=[P, pod, self.owner, self.lease_ms, *guard]):
             return False
-        while (step := self._purge_step(args=[P, pod, self.owner, _now_ms(),
-                                              self.lease_ms])) == 1:
+        while (step := self._purge_step(args=[P, pod, self.owner, self.lease_ms])) == 1:
             pass
         if step < 0:
             return False
@@ -140,11 +138,8 @@ class PodRewriter:
         for start in range(0, max(len(items), 1), CHUNK):
             ops = encode_ops(items[start:start + CHUNK], [], False,
                              block_size if start == 0 else None)
-            if self._apply(args=[P, pod, -1, ops, 0, _now_ms(), self.owner,
+            if self._apply(args=[P, pod, -1, ops, 0, self.owner,
                                  self.lease_ms]) != Outcome.APPLIED:
                 return False
         return bool(self._release(args=[P, pod, self.owner, seq, repr(float(ts))]))
 
-
-def _now_ms() -> float:
-    return time.time() * 1000.0
