@@ -16,6 +16,9 @@ class FakeFeeder:
     def add(self, source):
         self.calls.append(("add", source.pod, source.endpoint))
 
+    def move(self, source):
+        self.calls.append(("move", source.pod, source.endpoint))
+
     def remove(self, pod, gone=True):
         self.calls.append(("remove", pod) if gone else ("replace", pod))
 
@@ -42,7 +45,9 @@ def test_a_pod_briefly_gone_keeps_its_index_and_a_pod_gone_for_good_loses_it():
         assert feeder.calls[-1] == ("remove", "a:1")
         reg.update([ep])
         reg.update([replace(ep, events="tcp://a:6000")])  # another event endpoint
-        assert feeder.calls[-2:] == [("replace", "a:1"), ("add", "a:1", "tcp://a:6000")]
+        assert feeder.calls[-1] == ("move", "a:1", "tcp://a:6000")  # nothing purged here
+        reg.update([replace(ep, events=None)])  # no events any more: entries go, pod stays
+        assert feeder.calls[-1] == ("replace", "a:1") and reg.pods_for("m") == ["a:1"]
         reg.close()
 
     asyncio.run(scenario())

@@ -222,6 +222,41 @@ def test_a_second_replica_seeing_the_same_restart_keeps_the_first_ones_rebuild(s
     assert redis_hits(srv.port, NEW) == {POD: 3}
 
 
+def test_an_engine_moved_to_another_event_endpoint_keeps_the_first_replicas_rebuild(srv):
+    """The engine comes back restarted on another event endpoint (no replay). Replica A
+    moves to it first and rebuilds the pod from its batches 0 and 1; B moves later and
+    sees batch 1. The move keeps each replica's position, so B tells the restart by
+    the batches and must not purge what A rebuilt."""
+    import zmq
+
+    old_engine(srv.port, 3)
+    (fa, a), (fb, b) = replica(srv.port), replica(srv.port)
+    moved = EventSource(POD, MODEL, "tcp://127.0.0.1:2", None)
+
+    def move(feeder, state):
+        poller = zmq.Poller()  # (the feeder thread's, with the old endpoint's socket)
+        state.sub = feeder._connect(zmq.SUB, state.source.endpoint, POD, "")
+        poller.register(state.sub, zmq.POLLIN)
+        feeder._pods[POD] = state
+        feeder.move(moved)
+        feeder._drain_commands(poller)
+        state = feeder._pods[POD]
+        assert state.source == moved and (state.last_seq, state.last_ts) == (3, 103.0)
+        return state
+
+    a2 = move(fa, a)
+    assert redis_hits(srv.port, OLD) == {POD: 4}, "a move alone purges nothing"
+    fa._on_live(a2, frames(*NEW0))
+    fa._on_live(a2, frames(*NEW1))
+    assert fa.restarts == 1 and redis_hits(srv.port, NEW) == {POD: 2}
+    b2 = move(fb, b)
+    fb._on_live(b2, frames(*NEW1))
+    assert fb.restarts == 1
+    assert redis_hits(srv.port, OLD) == {} and redis_hits(srv.port, NEW) == {POD: 2}
+    for f in (fa, fb):
+        f._close(f._pods.pop(POD))
+
+
 def test_a_replica_behind_on_the_old_engine_still_purges_it(srv):
     """Replica B applied the old engine up to batch 2, another replica (gone since) up
     to batch 5: B seeing the restart first must still drop the old entries."""

@@ -18,9 +18,13 @@ seq, read `(seq, payload)` until seq == -1.
   the new incarnation yet: `PrefixIndex.restarted`) and it is replayed from 0.
 - A replay answer not read to its end (timeout, malformed) leaves a fresh
   DEALER behind (no stale answers); a batch that cannot be translated is skipped.
+- Event endpoint moved (`move`): new sockets, same position, caught up from
+  there; whether the engine behind it is the same is told by its batches as
+  above (a restart is only ever purged under `PrefixIndex.restarted`'s guard, so
+  replicas seeing the move at different times do not undo each other's work).
 - An error with one pod or batch is logged and counted; the thread goes on.
 - Between batches: `PrefixIndex.recover()` when Redis had been unreachable.
-Commands (add/remove pod) arrive through a bounded queue.
+Commands (add/move/remove pod) arrive through a bounded queue.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from sluice.gateway.event_replay import batch_ts, read_replay
 from sluice.gateway.prefix_index import PrefixIndex
 from sluice.gateway.translate import translate
 from sluice.kv_events import decode_batch
@@ -85,6 +90,11 @@ class EventFeeder:
 
     def add(self, source: EventSource) -> None:
         self._cmds.put(("add", source))
+
+    def move(self, source: EventSource) -> None:
+        """The pod's events now come from `source`'s endpoints (or model); its
+        entries stay unless its batches show another engine (see above)."""
+        self._cmds.put(("move", source))
 
     def remove(self, pod: str, gone: bool = True) -> None:
         """Unsubscribe and drop the pod's entries (`PrefixIndex.forget_pod`)."""
@@ -140,20 +150,33 @@ class EventFeeder:
                 cmd, arg = self._cmds.get_nowait()
             except queue.Empty:
                 return
-            if cmd == "add" and arg.pod not in self._pods:
-                sub = self._connect(zmq.SUB, arg.endpoint, arg.pod, "routed on load and "
-                                    "speculative entries only")
-                if sub is None:
-                    continue
-                state = self._pods[arg.pod] = _PodState(arg, sub, self._replay_socket(arg))
-                poller.register(sub, zmq.POLLIN)
-                self._catch_up_new(state)
+            if cmd in ("add", "move") and arg.pod not in self._pods:
+                if state := self._subscribe(arg, poller):
+                    self._catch_up_new(state)
+            elif cmd == "move":
+                old = self._pods.pop(arg.pod)
+                poller.unregister(old.sub)
+                self._close(old)
+                if state := self._subscribe(arg, poller):
+                    state.last_seq, state.last_ts = old.last_seq, old.last_ts
+                    self._catch_up(state)
+                else:  # (a bad endpoint: its entries can no longer be kept current)
+                    self.index.forget_pod(arg.pod, gone=False)
             elif cmd == "remove" and arg[0] in self._pods:
                 pod, gone = arg
                 state = self._pods.pop(pod)
                 poller.unregister(state.sub)
                 self._close(state)
                 self.index.forget_pod(pod, gone)
+
+    def _subscribe(self, source: EventSource, poller: zmq.Poller) -> _PodState | None:
+        sub = self._connect(zmq.SUB, source.endpoint, source.pod, "routed on load and "
+                            "speculative entries only")
+        if sub is None:
+            return None
+        state = self._pods[source.pod] = _PodState(source, sub, self._replay_socket(source))
+        poller.register(sub, zmq.POLLIN)
+        return state
 
     def _replay_socket(self, source: EventSource) -> zmq.Socket | None:
         if not source.replay_endpoint:
@@ -213,43 +236,14 @@ class EventFeeder:
             return None
         complete, other_ts = False, None
         try:
-            complete, other_ts = self._read_replay(state, start, expect_ts)
+            complete, other_ts = read_replay(
+                state, start, expect_ts, self.replay_timeout_s, self.max_replay_batches,
+                lambda seq, payload: self._apply(state, seq, payload))
         finally:
             if not complete:  # unread frames must not meet the next request
                 state.replay.close(linger=0)
                 state.replay = self._replay_socket(state.source)
         return other_ts
-
-    def _read_replay(self, state: _PodState, start: int, expect_ts: float
-                     ) -> tuple[bool, float | None]:
-        """Send the request and apply the answer: (whether it was read to its end,
-        the other timestamp at `start` (see `_replay`) or None)."""
-        assert state.replay is not None
-        state.replay.send_multipart((b"", start.to_bytes(8, "big")))
-        deadline = time.monotonic() + self.replay_timeout_s
-        for _ in range(self.max_replay_batches + 1):
-            left = deadline - time.monotonic()
-            if left <= 0 or not state.replay.poll(int(left * 1000)):
-                log.warning("replay from %s timed out", state.source.pod)
-                return False, None
-            frames = state.replay.recv_multipart()
-            frames = frames[1:] if frames and frames[0] == b"" else frames
-            if len(frames) < 2:
-                log.warning("%s: malformed replay answer (%d frames)", state.source.pod,
-                            len(frames))
-                return False, None
-            seq_bytes, payload = frames[-2], frames[-1]  # tolerate (topic, seq, payload)
-            seq = int.from_bytes(seq_bytes, "big", signed=True)
-            if seq < 0:
-                return True, None
-            if expect_ts and seq == start and (ts := _batch_ts(payload)) not in (expect_ts, None):
-                return False, ts  # (an undecodable batch is no evidence)
-            if seq > state.last_seq:
-                if state.last_seq >= 0 and seq > state.last_seq + 1:
-                    log.warning("%s: events %d..%d are no longer in the engine's replay "
-                                "buffer", state.source.pod, state.last_seq + 1, seq - 1)
-                self._apply(state, seq, payload)
-        return False, None
 
     def _on_live(self, state: _PodState, frames: list[bytes]) -> None:
         if len(frames) != 3:
@@ -260,7 +254,7 @@ class EventFeeder:
             # before this one read Redis), or the engine restarted (its seq starts
             # again at 0) -- told apart by the batch's timestamp, kept in Redis next
             # to the seq. Without one (0.0) only seq 0 counts as a restart.
-            ts = _batch_ts(frames[2])
+            ts = batch_ts(frames[2])
             if ts is None:
                 return
             restarted = ts > state.last_ts if state.last_ts > 0 else (
@@ -310,10 +304,3 @@ class EventFeeder:
         self.blocks += len(t.stored) + len(t.removed)
         self.orphans += t.orphans
 
-
-def _batch_ts(payload: bytes) -> float | None:
-    """The timestamp of an encoded batch (None: undecodable)."""
-    try:
-        return decode_batch(payload).ts
-    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError):
-        return None

@@ -111,10 +111,12 @@ class PodRegistry:
         if pending is not None:  # back within the grace period
             pending.cancel()
         if self._subscribed.get(ep.pod) != source:
-            if ep.pod in self._subscribed:  # another event endpoint: the pod stays
+            if ep.pod in self._subscribed and source is None:  # no events any more
                 self._forget_index(ep.pod, gone=False)
             if self.feeder is not None and source is not None:
-                self.feeder.add(source)
+                # another event endpoint: `move` keeps the pod's position, and its
+                # entries stay unless its batches show another engine behind it
+                (self.feeder.move if ep.pod in self._subscribed else self.feeder.add)(source)
                 self._subscribed[ep.pod] = source
         if self.redis is not None:
             try:

@@ -8,8 +8,9 @@ hiredis' C reply parser.
 
 Contract:
 - `call(*args)` sends one command and returns its reply; `pipeline(cmds)`
-  sends several in one write (`run_scripts`: several Lua script calls). Commands from all callers share one connection
-  in order, and replies complete their futures first in, first out.
+  sends several in one write (`run_scripts`: several Lua script calls). Commands
+  from all callers share one connection in order, and replies complete their
+  futures first in, first out.
 - A caller that stops waiting (timeout, cancellation) does not desynchronise
   the connection: its reply is still read, then dropped. `deadline` (a
   `time.monotonic()` value) bounds a call, its connect included: past it the
