@@ -280,3 +280,20 @@ def test_response_head_framing():
     close_delimited = response_head(200, {}, None, keep_alive=False, chunked=False)
     assert b"transfer-encoding" not in close_delimited
     assert b"content-length" not in close_delimited
+
+
+def test_a_pipelined_expect_100_continue_gets_its_100_after_the_answers_before_it(aio):
+    async def main():
+        async with serving(echo_app()) as server:
+            c = await Raw.open(port_of(server))
+            c.send(request("POST", "/echo", b"one") +
+                   b"POST /echo HTTP/1.1\r\nhost: t\r\ncontent-length: 3\r\n"
+                   b"expect: 100-continue\r\n\r\n")
+            first = await c.answer()
+            assert first.status == 200 and json.loads(first.body)["body"] == "one"
+            assert (await c.answer(timeout_s=0.5)).status == 100  # not the client's own wait
+            c.send(b"two")
+            a = await c.answer()
+            assert a.status == 200 and json.loads(a.body)["body"] == "two"
+            c.close()
+    aio(main)

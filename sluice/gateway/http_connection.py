@@ -22,6 +22,7 @@ log = logging.getLogger("sluice.gateway.http")
 MAX_PIPELINED = 16  # queued requests on one connection before reading pauses
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers (431 beyond), plus one read
 LINGER_S = 2.0
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 class _Reject:
@@ -53,6 +54,7 @@ class Connection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._size = 0
         self._too_large = False
+        self._continue_owed = False  # a 100 Continue, due once the answers before it went
 
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -99,7 +101,7 @@ class Connection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._url, self._headers, self._body, self._size = b"", {}, [], 0
         self._in_head, self._began_now, self._head_bytes = True, True, 0
-        self._too_large = False
+        self._too_large = self._continue_owed = False
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -115,9 +117,11 @@ class Connection(asyncio.Protocol):
             self._too_large = True
             self._refuse(413, f"request body over {self.app.max_body_bytes} bytes",
                          "body_too_large")
-        elif (self._headers.get("expect", "").lower() == "100-continue"
-              and self.task is None and not self.queue):  # (never inside another answer)
-            self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        elif self._headers.get("expect", "").lower() == "100-continue":
+            if self.task is None and not self.queue:
+                self.write(_CONTINUE)
+            else:  # pipelined: never inside another answer, but after them (see _run)
+                self._continue_owed = True
 
     def on_body(self, body: bytes) -> None:
         if self._too_large:
@@ -131,6 +135,7 @@ class Connection(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self._continue_owed = False  # (the body came without it)
         if self._broken:
             return
         p = self.parser
@@ -190,6 +195,9 @@ class Connection(asyncio.Protocol):
                 if not await self._answer(item):
                     self.transport.close()
                     return
+                if self._continue_owed and not self.queue and not self._broken:
+                    self._continue_owed = False
+                    self.write(_CONTINUE)
         except ConnectionResetError:
             pass
         finally:

@@ -10,7 +10,7 @@ gateway needs:
   close after the answer); pipelined requests are answered in order.
 - Request bodies (content-length or chunked) are read whole before the handler
   runs, at most `max_body_bytes` (413, then close); `Expect: 100-continue` is
-  answered.
+  answered (on a pipelined request, once the answers before it are sent).
 - Routes by exact path: unknown path 404, wrong method 405 with `Allow`, a
   malformed request or a protocol upgrade 400 (then close); all OpenAI-shaped.
 - Answers are whole (`Response`) or streamed (`Request.stream()`: chunked
