@@ -155,11 +155,7 @@ class Gateway:
                 if not routed:
                     self.metrics.route_seconds.observe(time.perf_counter() - started)
                 routed.append(d)
-                self.metrics.decisions.labels(d.strategy, d.pod).inc()
-                self.metrics.hit_blocks.labels(d.strategy).observe(d.hit_blocks)
-                if d.total_blocks:
-                    self.metrics.hit_ratio.labels(d.strategy).observe(
-                        d.hit_blocks / d.total_blocks)
+                self.metrics.decided(d.strategy, d.pod, d.hit_blocks, d.total_blocks)
             return d
 
         headers = {"content-type": "application/json"}

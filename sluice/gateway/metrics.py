@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from sluice.gateway.routing.config import STRATEGIES
@@ -36,12 +38,28 @@ class GatewayMetrics:
         self.pods = Gauge("sluice_gateway_pods", "Known engine pods", ["state"], registry=r)
         self.event_batches = Gauge("sluice_gateway_kv_event_batches",
                                    "KV event batches applied", registry=r)
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, kept: labels() validates and locks on every call
+        (~2 us, several times per request)."""
+        got = self._children.get((metric, labels))
+        if got is None:
+            got = self._children[(metric, labels)] = metric.labels(*labels)
+        return got
+
+    def decided(self, strategy: str, pod: str, hit_blocks: int, total_blocks: int) -> None:
+        self.child(self.decisions, strategy, pod).inc()
+        self.child(self.hit_blocks, strategy).observe(hit_blocks)
+        if total_blocks:
+            self.child(self.hit_ratio, strategy).observe(hit_blocks / total_blocks)
 
     def forget_pod(self, pod: str) -> None:
         """Drop a removed pod's series (pods come and go; series must not pile up)."""
         series = [(self.ttfb, (pod,)), (self.upstream, (pod,))] + [
             (self.decisions, (s, pod)) for s in STRATEGIES]
         for metric, labels in series:
+            self._children.pop((metric, labels), None)
             try:
                 metric.remove(*labels)
             except KeyError:  # never observed

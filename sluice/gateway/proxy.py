@@ -124,7 +124,7 @@ class Proxy:
                 last_error = f"engine {pod} answered {resp.status}: {text}"
                 continue
             self.health.success(pod)
-            self.metrics.ttfb.labels(pod).observe(time.perf_counter() - started)
+            self.metrics.child(self.metrics.ttfb, pod).observe(time.perf_counter() - started)
             return await self._relay(request, resp, decision, started, owed)
         self.metrics.errors.labels("no_pod").inc()
         if busy and busy == len(tried):  # every engine tried is overloaded: say so
@@ -204,7 +204,8 @@ class Proxy:
             else:
                 resp.close()  # the engine sees the disconnect and aborts
             self._done(d.pod, owed)
-            self.metrics.upstream.labels(d.pod).observe(time.perf_counter() - started)
+            self.metrics.child(self.metrics.upstream, d.pod).observe(
+                time.perf_counter() - started)
 
     def _failed_mid_stream(self, pod: str, err: BaseException) -> None:
         self.metrics.errors.labels("mid_stream").inc()
