@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import re
+from itertools import chain
 from typing import Any
 
 from sluice.gguf_tokenizer import bytes_to_unicode
@@ -74,6 +75,7 @@ class FastByteLevelEncoder:
         self._split = (re.compile("(" + "|".join(
             re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")")
             if added else None)
+        self._added_firsts = sorted({t[0] for t in added})  # none in a text: no split
         self._to_byte_level = str.maketrans(  # ASCII text: the first 128 bytes
             {b: ch for b, ch in bytes_to_unicode().items() if b < 128})
         self._cache: dict[str, list[int]] = {}
@@ -107,7 +109,7 @@ class FastByteLevelEncoder:
     def encode(self, text: str) -> list[int]:
         """Token ids of ASCII `text` (special tokens written in it are matched whole)."""
         assert text.isascii()
-        if self._split is None:
+        if self._split is None or not any(c in text for c in self._added_firsts):
             return self._encode_plain(text)
         ids: list[int] = []
         for i, part in enumerate(self._split.split(text)):
@@ -118,15 +120,17 @@ class FastByteLevelEncoder:
         return ids
 
     def _encode_plain(self, text: str) -> list[int]:
-        ids: list[int] = []
+        pieces = self._pieces.findall(text)
         cache = self._cache
-        for piece in self._pieces.findall(text):
-            got = cache.get(piece)
-            if got is None:
-                got = [t.id for t in self._model.tokenize(piece.translate(self._to_byte_level))]
-                if len(piece) <= self.MAX_CACHED_PIECE_CHARS:
-                    if len(cache) >= self.MAX_CACHED_PIECES:
-                        cache.clear()
-                    cache[piece] = got
-            ids += got
-        return ids
+        found = list(map(cache.get, pieces))  # (loops in C: most pieces are cached)
+        if None in found:
+            for i, got in enumerate(found):
+                if got is None:
+                    piece = pieces[i]
+                    found[i] = got = [t.id for t in self._model.tokenize(
+                        piece.translate(self._to_byte_level))]
+                    if len(piece) <= self.MAX_CACHED_PIECE_CHARS:
+                        if len(cache) >= self.MAX_CACHED_PIECES:
+                            cache.clear()
+                        cache[piece] = got
+        return list(chain.from_iterable(found))
