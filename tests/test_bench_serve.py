@@ -49,7 +49,8 @@ def test_compare_on_local_stack(tiny_chat_model, tmp_path):
         str(tiny_chat_model), "--engine-args", "--num-kv-blocks 512 --max-model-len 1024",
         "--groups", "4", "--users", "4", "--system-len", "160", "--question-len", "12",
         "--output-len", "4", "--max-concurrency", "2", "--tokenizer", str(tiny_chat_model),
-        "--result-json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png"),
+        "--result-json", str(tmp_path / "r.json"), "--save-detailed",
+        "--plot", str(tmp_path / "r.png"),
         "--stack-port", str(__import__("engine_server").free_port()), "--no-progress"])
     assert serve.main(args) == 0
     runs = json.loads((tmp_path / "r.json").read_text())["runs"]
@@ -59,6 +60,12 @@ def test_compare_on_local_stack(tiny_chat_model, tmp_path):
     ideal = kv["ideal_hit_rate"]
     assert kv["hit_rate"] >= 0.9 * ideal and kv["hit_rate"] > rr["hit_rate"]
     assert (tmp_path / "r.png").stat().st_size > 10_000
+    for run in (rr, kv):  # --save-detailed: every request, in send order
+        reqs = run["requests"]
+        assert len(reqs) == 16 and all(r["ok"] and r["ttft_ms"] <= r["e2e_ms"] for r in reqs)
+        assert reqs[0]["start_s"] == 0 and [r["start_s"] for r in reqs] == sorted(
+            r["start_s"] for r in reqs)
+        assert {r["pod"] for r in reqs} == set(run["requests_per_pod"])
 
 
 def test_overhead_benchmark_runs_end_to_end():

@@ -23,6 +23,7 @@ from typing import Any
 
 from sluice.bench.serve_client import Result, run
 from sluice.bench.serve_stats import (
+    detailed,
     engine_urls_behind,
     format_table,
     scrape_prefix_counters,
@@ -63,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-metrics", action="append", default=[],
                    help="engine base URL for hit-rate metrics (default: from gateway /health)")
     p.add_argument("--result-json", default=None)
+    p.add_argument("--save-detailed", action="store_true",
+                   help="--result-json also lists every request (send time, TTFT, E2E, "
+                        "tokens, pod, predicted hit blocks, error)")
     p.add_argument("--plot", default=None, help="PNG path")
     p.add_argument("--compare", default=None,
                    help="comma-separated strategies, run on a local stack")
@@ -163,8 +167,9 @@ def main(args: argparse.Namespace) -> int:
             "machine": platform.platform(), "requests": len(requests)}
     if args.result_json:
         with open(args.result_json, "w") as f:
-            json.dump({"meta": meta, "runs": {k: v[0] for k, v in runs.items()}}, f, indent=2,
-                      default=str)
+            json.dump({"meta": meta, "runs": {
+                k: {**v[0], "requests": detailed(v[1])} if args.save_detailed else v[0]
+                for k, v in runs.items()}}, f, indent=2, default=str)
     if args.plot:
         from sluice.bench.serve_plot import plot_runs
 

@@ -46,6 +46,18 @@ def summarize(results: list[Result], duration: float) -> dict[str, Any]:
     }
 
 
+def detailed(results: list[Result]) -> list[dict[str, Any]]:
+    """One record per request, in send order (`--save-detailed`): send time from the
+    first send, TTFT and E2E in ms, tokens, the pod and predicted hit blocks the
+    gateway reported, the error if it failed."""
+    t0 = min((r.start for r in results), default=0.0)
+    return [{"start_s": r.start - t0, "ok": r.ok,
+             "ttft_ms": None if r.ttft is None else 1000.0 * r.ttft,
+             "e2e_ms": 1000.0 * r.e2e, "prompt_tokens": r.prompt_tokens,
+             "output_tokens": r.output_tokens, "pod": r.pod, "hit_blocks": r.hit_blocks,
+             "error": r.error} for r in sorted(results, key=lambda r: r.start)]
+
+
 def scrape_prefix_counters(engine_urls: list[str]) -> tuple[float, float]:
     """Sum of (vllm:prefix_cache_hits_total, vllm:prefix_cache_queries_total) over engines."""
     hits = queries = 0.0
