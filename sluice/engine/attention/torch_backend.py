@@ -64,14 +64,17 @@ class TorchAttentionBackend(AttentionBackend):
                 enable_gqa=True).squeeze(2)
         else:
             # bf16/fp16: CPU SDPA with a mask and GQA measured ~4x slower than grouped
-            # matmuls in the cache dtype with a float32 softmax (32 x 1k-token decodes).
+            # matmuls in the cache dtype with a float32 softmax (32 x 1k-token decodes),
+            # and those 2x faster on K/V made contiguous per head first ([B, Hkv, L, D]:
+            # 0.9 vs 1.9 ms per layer for 3 x 832-token decodes, one thread).
             b, h, d = qb.shape[0], qb.shape[1], qb.shape[3]
             kv_heads = k.shape[2]
+            k, v = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
             qg = qb.view(b, kv_heads, h // kv_heads, d)
-            scores = (qg @ k.permute(0, 2, 3, 1)).float() * scale  # [B, Hkv, G, L]
+            scores = (qg @ k.transpose(2, 3)).float() * scale  # [B, Hkv, G, L]
             scores.masked_fill_(~mask, float("-inf"))
             probs = scores.softmax(dim=-1).to(q.dtype)
-            o = (probs @ v.permute(0, 2, 1, 3)).view(b, h, d)
+            o = (probs @ v).view(b, h, d)
         out[rows] = o
 
 
