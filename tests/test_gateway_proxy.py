@@ -19,7 +19,8 @@ from sluice.gateway.routing.config import RoutingConfig
 
 
 def fake_engine(mode, state):
-    """mode: ok | error500 | busy429 | die_midstream | slow | stall (answers after 5 s)."""
+    """mode: ok | error500 | busy429 | die_midstream | slow | stall (answers after 5 s) |
+    prefill (answers after 1.5 s)."""
     app = FastAPI()
 
     @app.get("/health")
@@ -44,8 +45,8 @@ def fake_engine(mode, state):
         if mode == "busy429":
             return JSONResponse({"error": {"message": "queue full"}}, status_code=429,
                                 headers={"retry-after": "1"})
-        if mode == "stall":
-            await asyncio.sleep(5)
+        if mode in ("stall", "prefill"):
+            await asyncio.sleep(5 if mode == "stall" else 1.5)
         if not body.get("stream"):
             return {"id": "x", "object": "text_completion", "model": body["model"],
                     "choices": [{"index": 0, "text": "hello", "finish_reason": "stop"}]}
@@ -252,12 +253,13 @@ def test_pending_prefill_and_inflight_are_released():
                 assert r.headers["x-sluice-prompt-blocks"] == "4"
                 lines = r.iter_lines()
                 next(lines)
-                assert gw.proxy.pending_prefill == {} and sum(gw.proxy.inflight.values()) == 1
+                flight = gw.proxy.flight
+                assert flight.pending_prefill == {} and sum(flight.inflight.values()) == 1
                 list(lines)
             deadline = time.time() + 5
-            while gw.proxy.inflight and time.time() < deadline:
+            while flight.inflight and time.time() < deadline:
                 time.sleep(0.05)
-            assert gw.proxy.inflight == {} and gw.proxy.pending_prefill == {}
+            assert flight.inflight == {} and flight.pending_prefill == {}
             # a second identical prompt: the speculative entry makes it a full hit
             r = post(server.url, {"model": "m", "prompt": list(range(64))})
             assert r.headers["x-sluice-prefix-hit-blocks"] == "4"
@@ -305,7 +307,7 @@ def test_engine_dying_inside_a_json_answer_is_a_502():
             assert r.status_code == 502, r.text
             assert r.json()["error"]["code"] == "upstream_error"
             proxy = app.state[GATEWAY].proxy
-            assert proxy.inflight == {} and proxy.pending_prefill == {}
+            assert proxy.flight.inflight == {} and proxy.flight.pending_prefill == {}
     finally:
         engine.close()
 
@@ -321,6 +323,26 @@ def test_client_gone_before_the_first_byte_releases_the_pod():
                            json={"model": "m", "prompt": list(range(64))})
             assert st.get("calls") == 1
             deadline = time.time() + 10
-            while proxy.inflight and time.time() < deadline:
+            while proxy.flight.inflight and time.time() < deadline:
                 time.sleep(0.05)
-            assert proxy.inflight == {} and proxy.pending_prefill == {}
+            assert proxy.flight.inflight == {} and proxy.flight.pending_prefill == {}
+
+
+def test_speculative_entries_last_while_the_prefill_outlasts_their_ttl():
+    """A prefill of 1.5 s against a 300 ms TTL: a request of the same prompt 0.9 s
+    later still finds the first one's pod (entries renewed while its answer has
+    not begun), instead of prefilling the prompt again elsewhere."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with Server(fake_engine("prefill", {})) as a, Server(fake_engine("prefill", {})) as b:
+        app = gateway_app([(a, "m"), (b, "m")], strategy="kv_aware", speculative_ttl_ms=300)
+        flight = app.state[GATEWAY].proxy.flight
+        with Server(app) as server, ThreadPoolExecutor(1) as ex:
+            body = {"model": "m", "prompt": list(range(64))}
+            first = ex.submit(post, server.url, body)
+            time.sleep(0.9)
+            second = post(server.url, body)
+            first = first.result()
+            assert second.headers["x-sluice-prefix-hit-blocks"] == "4"
+            assert second.headers["x-sluice-pod"] == first.headers["x-sluice-pod"]
+            assert flight.inflight == {} and flight.pending_prefill == {}

@@ -30,6 +30,7 @@ from sluice.gateway.health import HealthTracker
 from sluice.gateway.http_app import App, Request
 from sluice.gateway.http_pool import HttpPool
 from sluice.gateway.http_wire import Response
+from sluice.gateway.inflight import InFlight
 from sluice.gateway.load import LoadScraper, LoadTable
 from sluice.gateway.local_index import LocalIndex, LocalIndexConfig
 from sluice.gateway.metrics import GatewayMetrics
@@ -85,12 +86,14 @@ class Gateway:
         self.http = HttpPool()
         self.registry = PodRegistry(self.feeder, self.redis, self.loads, self.health,
                                     self.http, cfg.probe_interval_s, cfg.forget_pod_after_s)
+        flight = InFlight(lambda d: self.router.renew_speculation(d),
+                          cfg.routing.speculative_ttl_ms / 2000.0 or 1.0)  # half the TTL
         self.router = Router(cfg.routing, self.index, LocalIndex(cfg.local_index), self.loads,
-                             self.health.is_healthy, lambda p: self.proxy.inflight.get(p, 0),
+                             self.health.is_healthy, lambda p: flight.inflight.get(p, 0),
                              self.registry.block_size_of,
-                             lambda p: self.proxy.pending_prefill.get(p, 0))
+                             lambda p: flight.pending_prefill.get(p, 0))
         self.proxy = Proxy(cfg.proxy, self.http, self.health, self.metrics,
-                           self.registry.url_of)
+                           self.registry.url_of, flight)
         self.registry.on_remove.append(self.metrics.forget_pod)
         self.scraper = LoadScraper(self.loads, self.redis, self.registry.active, self.http,
                                    cfg.scrape_interval_s)

@@ -32,6 +32,7 @@ from sluice.gateway.http_client import Connection, ConnectTimeout, ReadTimeout, 
 from sluice.gateway.http_pool import HttpPool
 from sluice.gateway.http_app import Request
 from sluice.gateway.http_wire import Response
+from sluice.gateway.inflight import Attempt, InFlight
 from sluice.gateway.metrics import GatewayMetrics
 from sluice.gateway.routing.router import Decision
 
@@ -52,15 +53,14 @@ class ProxyConfig:
 
 class Proxy:
     def __init__(self, cfg: ProxyConfig, http: HttpPool, health: HealthTracker,
-                 metrics: GatewayMetrics, url_of: Callable[[str], str | None]) -> None:
+                 metrics: GatewayMetrics, url_of: Callable[[str], str | None],
+                 flight: InFlight | None = None) -> None:
         self.cfg = cfg
         self.http = http
         self.health = health
         self.metrics = metrics
         self.url_of = url_of
-        self.inflight: dict[str, int] = {}
-        # uncached prompt blocks sent to each pod whose first token is not back yet
-        self.pending_prefill: dict[str, int] = {}
+        self.flight = flight or InFlight()
 
     async def forward(self, request: Request, path: str, body: bytes,
                       headers: dict[str, str], route: RouteFn) -> Response | None:
@@ -68,7 +68,7 @@ class Proxy:
         tried: set[str] = set()
         last_error = "no healthy engine for this model"
         busy = 0  # attempts answered 429
-        for attempt in range(self.cfg.max_retries + 1):
+        for n in range(self.cfg.max_retries + 1):
             decision = await route(frozenset(tried))
             if decision is None:
                 break
@@ -77,35 +77,33 @@ class Proxy:
             if url is None:
                 tried.add(pod)
                 continue
-            if attempt:
+            if n:
                 self.metrics.retries.inc()
             tried.add(pod)
-            self.inflight[pod] = self.inflight.get(pod, 0) + 1
-            owed = max(decision.total_blocks - decision.hit_blocks, 0)
-            self._owe(pod, owed)
+            attempt = self.flight.start(decision)
             started = time.perf_counter()
             try:
                 resp = await self.http.request(url, "POST", path, headers, body,
                                                self.cfg.connect_timeout_s,
                                                self.cfg.read_timeout_s)
             except ConnectTimeout:
-                self._done(pod, owed)
+                attempt.done()
                 self._failed(pod, "connect_timeout")
                 last_error = f"engine {pod} did not accept the connection"
                 continue
             except ReadTimeout:
                 # silent past read_timeout: not retried (it may still be working on
                 # the request), but counted, so a hung pod ends up marked unhealthy
-                self._done(pod, owed)
+                attempt.done()
                 self._failed(pod, "upstream_timeout")
                 return error_response(504, f"engine {pod} did not answer in time", "timeout")
             except UpstreamError as err:
-                self._done(pod, owed)
+                attempt.done()
                 self._failed(pod, "connect")
                 last_error = f"engine {pod} unreachable: {err}"
                 continue
             except asyncio.CancelledError:  # the client left before the answer began
-                self._done(pod, owed)
+                attempt.done()
                 raise
             if resp.status >= 500 or resp.status == 429:
                 try:
@@ -115,7 +113,7 @@ class Proxy:
                     text = ""
                 finally:
                     resp.close()
-                    self._done(pod, owed)
+                    attempt.done()
                 if resp.status == 429:
                     busy += 1
                     self.metrics.errors.labels("upstream_429").inc()
@@ -125,7 +123,7 @@ class Proxy:
                 continue
             self.health.success(pod)
             self.metrics.child(self.metrics.ttfb, pod).observe(time.perf_counter() - started)
-            return await self._relay(request, resp, decision, started, owed)
+            return await self._relay(request, resp, decision, started, attempt)
         self.metrics.errors.labels("no_pod").inc()
         if busy and busy == len(tried):  # every engine tried is overloaded: say so
             return error_response(429, last_error, "rate_limit_exceeded",
@@ -133,31 +131,12 @@ class Proxy:
         return error_response(503, last_error, "service_unavailable",
                               headers={"retry-after": "1"})
 
-    def _owe(self, pod: str, blocks: int) -> None:
-        self.pending_prefill[pod] = self.pending_prefill.get(pod, 0) + blocks
-
-    def _paid(self, pod: str, blocks: int) -> None:
-        left = self.pending_prefill.get(pod, 0) - blocks
-        if left <= 0:
-            self.pending_prefill.pop(pod, None)
-        else:
-            self.pending_prefill[pod] = left
-
-    def _done(self, pod: str, owed: int = 0) -> None:
-        """The request left the pod; `owed`: its prefill blocks if still pending."""
-        n = self.inflight.get(pod, 1) - 1
-        if n <= 0:
-            self.inflight.pop(pod, None)
-        else:
-            self.inflight[pod] = n
-        self._paid(pod, owed)
-
     def _failed(self, pod: str, kind: str) -> None:
         self.metrics.errors.labels(kind).inc()
         self.health.failure(pod)
 
     async def _relay(self, request: Request, resp: Connection, d: Decision,
-                     started: float, owed: int) -> Response | None:
+                     started: float, attempt: Attempt) -> Response | None:
         headers = {"x-sluice-pod": d.pod, "x-sluice-prefix-hit-blocks": str(d.hit_blocks),
                    "x-sluice-prompt-blocks": str(d.total_blocks),
                    "x-sluice-strategy": d.strategy, "x-sluice-index": d.index_mode}
@@ -176,8 +155,7 @@ class Proxy:
                     return error_response(502, f"engine {d.pod} failed while answering: "
                                                f"{err}", "upstream_error")
                 eof = True
-                self._paid(d.pod, owed)
-                owed = 0
+                attempt.prefilled()
                 return Response(resp.status, data, headers)
             out = request.stream(resp.status, headers)
             while True:
@@ -194,16 +172,14 @@ class Proxy:
                     eof = True
                     out.end()
                     return None
-                if owed:  # first body bytes: the prefill is over
-                    self._paid(d.pod, owed)
-                    owed = 0
+                attempt.prefilled()  # (first body bytes: the prefill is over)
                 await out.write(chunk)
         finally:
             if eof:
                 self.http.release(resp)  # the connection goes back to the pool
             else:
                 resp.close()  # the engine sees the disconnect and aborts
-            self._done(d.pod, owed)
+            attempt.done()
             self.metrics.child(self.metrics.upstream, d.pod).observe(
                 time.perf_counter() - started)
 

@@ -6,7 +6,9 @@
 - kv_aware (precise): hits from the event-fed index (Redis, or the local view
   when Redis is down) plus loads from Redis; the decision is written back as
   speculative entries (TTL `speculative_ttl_ms`) so a burst of one prefix
-  sticks to one pod before the engine's events arrive.
+  sticks to one pod before the engine's events arrive; the proxy renews them
+  (`renew_speculation`) while the request's prefill is still pending, since a
+  prefill can outlast the TTL on a loaded engine.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class Decision:
     total_blocks: int
     index_mode: str
     reason: str
+    spec_keys: tuple[str, ...] = ()  # written as speculative entries (kv_aware)
 
 
 class Router:
@@ -112,7 +115,7 @@ class Router:
         scores = weighted(cands, self.parts[strategy])
         cold = max(c.hit_blocks for c in cands) == 0
         chosen = self.picker(cands, scores, self.cfg.cold_spread if cold else 1e-9)
-        self._remember(strategy, chosen, keys_by_size)
+        spec_keys = self._remember(strategy, chosen, keys_by_size)
         reason = "cold spread" if cold else "prefix+load"
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route %s -> %s (%s): %s", strategy, chosen.pod, reason, ", ".join(
@@ -120,7 +123,7 @@ class Router:
                 f"prefill={c.prefill_cost} "
                 f"kv={c.kv_usage} score={s:.3f}" for c, s in zip(cands, scores)))
         return Decision(chosen.pod, strategy, chosen.hit_blocks, chosen.total_blocks,
-                        self.index_mode(), reason)
+                        self.index_mode(), reason, spec_keys)
 
     async def _fill_hits(self, strategy: str, cands: list[Candidate],
                          keys_by_size: dict[int, list[str]]
@@ -144,12 +147,20 @@ class Router:
         return shared
 
     def _remember(self, strategy: str, chosen: Candidate,
-                  keys_by_size: dict[int, list[str]]) -> None:
+                  keys_by_size: dict[int, list[str]]) -> tuple[str, ...]:
+        """Record the decision; the keys written as speculative entries."""
         bs = self.block_size_of(chosen.pod) or self.cfg.default_block_size
         keys = keys_by_size[bs]
         if strategy == "prefix":
             self.history.add_speculative(chosen.pod, keys,
                                          time.time() * 1000.0 + self.cfg.history_ttl_ms)
-        elif strategy == "kv_aware" and self.index is not None:
-            self.index.speculate(chosen.pod, keys[chosen.hit_blocks:],
-                                 self.cfg.speculative_ttl_ms)
+        elif strategy == "kv_aware" and self.index is not None and self.cfg.speculative_ttl_ms:
+            spec = keys[chosen.hit_blocks:]
+            self.index.speculate(chosen.pod, spec, self.cfg.speculative_ttl_ms)
+            return tuple(spec)
+        return ()
+
+    def renew_speculation(self, d: Decision) -> None:
+        """The decision's speculative entries last `speculative_ttl_ms` from now."""
+        if d.spec_keys and self.index is not None:
+            self.index.speculate(d.pod, list(d.spec_keys), self.cfg.speculative_ttl_ms)
