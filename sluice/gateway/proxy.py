@@ -20,7 +20,6 @@ Failure handling:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -102,8 +101,8 @@ class Proxy:
                 self._failed(pod, "connect")
                 last_error = f"engine {pod} unreachable: {err}"
                 continue
-            except asyncio.CancelledError:  # the client left before the answer began
-                attempt.done()
+            except BaseException:  # the client left before the answer began (cancelled)
+                attempt.done()     # or a bug: either way the pod is released
                 raise
             if resp.status >= 500 or resp.status == 429:
                 try:
