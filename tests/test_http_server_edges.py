@@ -164,15 +164,22 @@ def endless_stream(seen: list[str]):
     return endless
 
 
+async def streaming_to_a_small_buffer(handler, **server_kw) -> tuple[HttpServer, Raw]:
+    """A started server streaming `handler`'s answer to a client with a 4 KiB receive
+    buffer that asked for it and reads nothing."""
+    server = HttpServer(app_with(s=handler), **server_kw)
+    await server.start("127.0.0.1", 0)
+    c = await Raw.open(port_of(server), rcvbuf=4096)
+    c.send(request("GET", "/s"))
+    return server, c
+
+
 def test_stop_cuts_a_stream_to_a_client_that_does_not_read(aio):
     seen = []
     endless = endless_stream(seen)
 
     async def main():
-        server = HttpServer(app_with(e=endless), grace_s=0.1)
-        await server.start("127.0.0.1", 0)
-        c = await Raw.open(port_of(server), rcvbuf=4096)
-        c.send(request("GET", "/e"))
+        server, c = await streaming_to_a_small_buffer(endless, grace_s=0.1)
         await asyncio.sleep(0.2)
         await server.stop()
         await asyncio.sleep(0.5)
@@ -227,10 +234,7 @@ def test_a_client_that_stops_reading_is_cut_after_write_timeout_s(aio, caplog):
     flood = endless_stream(seen)
 
     async def main():
-        server = HttpServer(app_with(f=flood), write_timeout_s=0.3)
-        await server.start("127.0.0.1", 0)
-        c = await Raw.open(port_of(server), rcvbuf=4096)
-        c.send(request("GET", "/f"))
+        server, c = await streaming_to_a_small_buffer(flood, write_timeout_s=0.3)
         deadline = time.monotonic() + 3
         while not (seen and not server.connections) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

@@ -25,10 +25,17 @@ class InFlight:
         self.renew_every_s = renew_every_s
         self.inflight: dict[str, int] = {}
         self.pending_prefill: dict[str, int] = {}
+        # looked up once, not per request: in Python 3.11 each lookup is a getpid syscall
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self, d: Decision) -> Attempt:
         """`d`'s request is being sent to `d.pod`."""
         return Attempt(self, d)
+
+    def call_later(self, delay_s: float, fn: Callable[[], None]) -> asyncio.TimerHandle:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop.call_later(delay_s, fn)
 
     def _add(self, table: dict[str, int], pod: str, n: int) -> None:
         left = table.get(pod, 0) + n
@@ -50,13 +57,12 @@ class Attempt:
         table._add(table.pending_prefill, d.pod, self.owed)
         self._timer: asyncio.TimerHandle | None = None
         if d.spec_keys and table.renew is not None:
-            self._loop = asyncio.get_running_loop()
-            self._timer = self._loop.call_later(table.renew_every_s, self._renew)
+            self._timer = table.call_later(table.renew_every_s, self._renew)
 
     def _renew(self) -> None:
         assert self.table.renew is not None
         self.table.renew(self.d)
-        self._timer = self._loop.call_later(self.table.renew_every_s, self._renew)
+        self._timer = self.table.call_later(self.table.renew_every_s, self._renew)
 
     def prefilled(self) -> None:
         """The answer began (or the request ended): its prefill is no longer pending."""
