@@ -15,14 +15,16 @@ PODS = ["p0:1", "p1:1", "p2:1", "p3:1"]
 PROMPT = list(range(1000, 1160))  # 10 blocks of 16
 
 
-def make(strategy="kv_aware", loads=None, unhealthy=(), inflight=None, pending=None, **cfg):
+def make(strategy="kv_aware", loads=None, unhealthy=(), inflight=None, pending=None,
+         num_blocks=None, **cfg):
     index = PrefixIndex(LocalIndex(), None)
     table = LoadTable(ttl_ms=10_000)
     now = time.time() * 1000
     for pod in PODS:
         w, r, kv = (loads or {}).get(pod, (0, 0, 0.1))
         if w is not None:
-            table.put(pod, EngineMetrics(waiting=w, running=r, kv_usage=kv), now)
+            table.put(pod, EngineMetrics(waiting=w, running=r, kv_usage=kv,
+                                         num_gpu_blocks=num_blocks), now)
     router = Router(RoutingConfig(strategy=strategy, **cfg), index, LocalIndex(), table,
                     lambda p: p not in unhealthy, lambda p: (inflight or {}).get(p, 0),
                     lambda p: 16, lambda p: (pending or {}).get(p, 0))
@@ -85,6 +87,19 @@ def test_cold_requests_spread():
     for i in range(200):
         seen[route(router, tokens=[i] * 64).pod] += 1
     assert set(seen) == set(PODS) and min(seen.values()) > 20
+
+
+def test_new_prefixes_go_where_the_cache_has_room():
+    # p0 and p1 each keep other prefixes filling 40 % of their caches, p2 20 %
+    router, index = make(num_blocks=100, speculative_ttl_ms=0)
+    for k, (pod, n) in enumerate((("p0:1", 40), ("p1:1", 40), ("p2:1", 20))):
+        hold(index, pod, n, tokens=[500 + k] * 16 * n)
+    assert {route(router, tokens=[i] * 64).pod for i in range(20)} == {"p3:1"}
+    hold(index, "p3:1", 40, tokens=[600] * 16 * 40)
+    assert {route(router, tokens=[i] * 64).pod for i in range(20)} == {"p2:1"}
+    # a prefix hit still wins over room: p0 holds this prompt, p3 has more room
+    hold(index, "p0:1", 10)
+    assert route(router).pod == "p0:1"
 
 
 def test_cold_request_avoids_pods_busy_with_prefills():

@@ -89,7 +89,15 @@ def publish_until(pub, cond, timeout=10.0):
 
 
 def hits(index, tokens, pods):
-    return LOOP.run_until_complete(index.lookup(request_keys(MODEL, BS, tokens), pods))[0]
+    return LOOP.run_until_complete(index.lookup(request_keys(MODEL, BS, tokens), pods)).hits
+
+
+def held(index, pods):
+    """Keys held per pod, as a lookup reads them from Redis, and in the local view."""
+    found = LOOP.run_until_complete(index.lookup(request_keys(MODEL, BS, TOKENS), pods))
+    assert found.loads is not None, "read from Redis"
+    assert found.held == index.local.held(pods)
+    return found.held
 
 
 TOKENS = list(range(100, 124))  # 6 blocks of 4
@@ -117,6 +125,7 @@ def test_store_remove_clear_and_pod_gone(srv):
         assert hits(index, TOKENS, ["a:1", "b:2"]) == {"a:1": 4, "b:2": 1}
         assert index.local.lookup(request_keys(MODEL, BS, TOKENS), ["a:1", "b:2"],
                                   0) == {"a:1": 4, "b:2": 1}
+        assert held(index, ["a:1", "b:2", "c:3"]) == {"a:1": 4, "b:2": 1, "c:3": 0}
         r = redis.Redis(port=srv.port)
         assert r.get(ik.pod_seq_key("a:1")) == b"0"
         assert r.hget(ik.pod_meta_key("a:1"), "block_size") == b"4"
@@ -124,9 +133,11 @@ def test_store_remove_clear_and_pod_gone(srv):
         a.pub.publish([BlockRemoved(block_hashes=[a.h(2)], medium="GPU")])
         wait_for(lambda: feeder.batches >= 3)
         assert hits(index, TOKENS, ["a:1", "b:2"]) == {"a:1": 2, "b:2": 1}
+        assert held(index, ["a:1", "b:2"]) == {"a:1": 3, "b:2": 1}
         a.pub.publish([AllBlocksCleared()])
         wait_for(lambda: feeder.batches >= 4)
         assert hits(index, TOKENS, ["a:1", "b:2"]) == {"b:2": 1}
+        assert held(index, ["a:1", "b:2"]) == {"a:1": 0, "b:2": 1}
         assert r.scard(ik.pod_keys_key("a:1")) == 0
         feeder.remove("b:2")
         wait_for(lambda: "b:2" not in feeder.pods())

@@ -126,7 +126,7 @@ def main() -> int:
         out = []
         for _ in range(args.lookups):
             t = time.perf_counter()
-            hits, _ = await index.lookup(request_keys("m", bs, prompt), pods)
+            hits = (await index.lookup(request_keys("m", bs, prompt), pods)).hits
             out.append(time.perf_counter() - t)
             assert hits == {p: len(keys) for p in pods}, hits
         return out

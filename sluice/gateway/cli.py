@@ -27,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                             ("w_prefill", "weight of the pending-prefill cost score"),
                             ("w_queue", "weight of the queue score"),
                             ("w_kv", "weight of the free-KV score"),
+                            ("w_room", "weight of the cache-room score"),
                             ("imbalance_abs", "imbalance gate: absolute queue difference"),
                             ("imbalance_rel", "imbalance gate: max / min queue ratio"),
                             ("kv_ceiling", "KV usage at which a pod is skipped"),
@@ -56,7 +57,7 @@ def build(args: argparse.Namespace):
 
     routing = RoutingConfig(
         strategy=args.routing, w_prefix=args.w_prefix, w_prefill=args.w_prefill,
-        w_queue=args.w_queue, w_kv=args.w_kv,
+        w_queue=args.w_queue, w_kv=args.w_kv, w_room=args.w_room,
         imbalance_abs=args.imbalance_abs, imbalance_rel=args.imbalance_rel,
         kv_ceiling=args.kv_ceiling, cold_spread=args.cold_spread,
         speculative_ttl_ms=args.speculative_ttl_ms, default_block_size=args.block_size)

@@ -135,6 +135,11 @@ class LocalIndex:
         with self._lock:
             return list(self._pod_hashes)
 
+    def held(self, pods: list[str]) -> dict[str, int]:
+        """Per pod the number of keys it holds (confirmed by its events)."""
+        with self._lock:
+            return {p: len(self._counts.get(p, ())) for p in pods}
+
     def lookup(self, keys: list[str], pods: list[str], now_ms: float) -> dict[str, int]:
         """For each of `pods`, the number of leading `keys` it holds consecutively
         (confirmed or unexpired speculative). Pods with no hit are absent."""

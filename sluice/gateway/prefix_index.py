@@ -16,7 +16,7 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from redis.exceptions import RedisError
 
@@ -26,6 +26,12 @@ from sluice.gateway.redis_index import RedisIndex
 from sluice.index_keys import purge_pods
 
 log = logging.getLogger("sluice.gateway.index")
+
+
+class Found(NamedTuple):
+    hits: dict[str, int]                       # pod -> leading keys held
+    loads: dict[str, dict[str, float]] | None  # Redis load entries (None: Redis down)
+    held: dict[str, int]                       # pod -> keys held (confirmed)
 
 
 def now_ms() -> float:
@@ -201,20 +207,20 @@ class PrefixIndex:
         return True
 
     # -- request path ----------------------------------------------------------------------
-    async def lookup(self, keys: list[str], pods: list[str]
-                     ) -> tuple[dict[str, int], dict[str, dict[str, float]] | None]:
-        """(hits per pod, loads from Redis or None when the caller must use local loads)."""
+    async def lookup(self, keys: list[str], pods: list[str]) -> Found:
+        """Hits per pod, loads from Redis (None: the caller uses its local loads) and
+        keys held per pod, from Redis or else the local view."""
         if self.redis is not None and not self._degraded:
             try:
                 found = await self.redis.lookup(keys, pods, now_ms(),
                                                  time.monotonic() + self.lookup_timeout_s)
                 self._slow = 0
-                return found
+                return Found(*found)
             except TimeoutError:
                 self._timed_out()  # this request uses the local view
             except (RedisError, OSError) as err:
                 self._degrade(err if isinstance(err, RedisError) else RedisError(repr(err)))
-        return self.local.lookup(keys, pods, now_ms()), None
+        return Found(self.local.lookup(keys, pods, now_ms()), None, self.local.held(pods))
 
     def speculate(self, pod: str, keys: list[str], ttl_ms: int) -> None:
         """Record a routing decision: `pod` will hold `keys` for `ttl_ms`: in the

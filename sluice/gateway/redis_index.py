@@ -12,7 +12,8 @@ operation is one Lua script, so it is atomic and costs one round trip:
 - `resync(...)`, `purge_restarted(...)`: rewrite a pod's entries, fenced
   against the other replicas' batches (`redis_rewrite`).
 - `lookup(keys, pods)`: per pod the length of the run of leading keys it holds
-  (confirmed or unexpired speculative), plus every pod's load entry.
+  (confirmed or unexpired speculative), every pod's load entry, and how many
+  keys each pod holds (confirmed: what its cache is filled with).
 - `speculate_later(pod, keys, ttl)`: speculative entries with an expiry,
   queued; `flush()` sends all queued in one write.
 """
@@ -41,7 +42,8 @@ local function split_keys(blob)
 end
 """.replace("KEY_WIDTH", str(KEY_WIDTH))
 
-# ARGV: prefix, now_ms, npods, pods..., keys blob -> {{pod, hits}..., {pod, w, r, kv, ts}...}
+# ARGV: prefix, now_ms, npods, pods..., keys blob
+#   -> {{pod, hits}..., {pod, w, r, kv, ts}..., {pod, held}...}
 # Per pod: one SMISMEMBER over its key set and one ZMSCORE over its speculative
 # entries, for all the prompt's keys at once (chunks of CHUNK); the run ends at
 # the first key that is in neither.
@@ -49,11 +51,13 @@ LOOKUP = SPLIT_KEYS + """
 local P, now, np = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local keys = split_keys(ARGV[4 + np])
 local last = #keys
-local flat, loads = {}, {}
+local flat, loads, held = {}, {}, {}
 for j = 1, np do
   local pod = ARGV[3 + j]
   local l = redis.call('HMGET', P..'load:'..pod, 'waiting', 'running', 'kv_usage', 'ts_ms')
   if l[1] then loads[#loads + 1] = {pod, l[1], l[2], l[3], l[4]} end
+  held[#held + 1] = pod
+  held[#held + 1] = redis.call('SCARD', P..'pod:'..pod..':keys')
   local run, c0 = 0, 1
   local spec = redis.call('EXISTS', P..'pod:'..pod..':spec') == 1
   while c0 <= last do
@@ -75,7 +79,7 @@ for j = 1, np do
   end
   if run > 0 then flat[#flat + 1] = pod; flat[#flat + 1] = run end
 end
-return {flat, loads}
+return {flat, loads, held}
 """.replace("CHUNK", "1024")
 
 # ARGV: prefix, pod, expiry_ms, ttl_ms, keys blob
@@ -171,16 +175,17 @@ class RedisIndex:
 
     async def lookup(self, keys: list[str], pods: list[str], now_ms: float,
                      deadline: float | None = None
-                     ) -> tuple[dict[str, int], dict[str, dict[str, float]]]:
-        """Per pod its run of leading keys held, and every pod's load entry;
-        TimeoutError past `deadline` (`time.monotonic()`)."""
-        hits_flat, loads = await self._lookup([P, now_ms, len(pods), *pods, _blob(keys)],
-                                              deadline)
-        hits = {_s(hits_flat[i]): int(hits_flat[i + 1]) for i in range(0, len(hits_flat), 2)}
+                     ) -> tuple[dict[str, int], dict[str, dict[str, float]], dict[str, int]]:
+        """Per pod its run of leading keys held, every pod's load entry, and per
+        pod the number of keys it holds; TimeoutError past `deadline`
+        (`time.monotonic()`)."""
+        hits_flat, loads, held_flat = await self._lookup(
+            [P, now_ms, len(pods), *pods, _blob(keys)], deadline)
+        hits, held = _pairs(hits_flat), _pairs(held_flat)
         table = {_s(row[0]): {"waiting": float(row[1]), "running": float(row[2]),
                               "kv_usage": float(row[3]), "ts_ms": float(row[4])}
                  for row in loads}
-        return hits, table
+        return hits, table, held
 
     def speculate_later(self, pod: str, keys: list[str], ttl_ms: int, now_ms: float) -> None:
         """Queue speculative entries (sent by the next `flush`)."""
@@ -214,6 +219,10 @@ def _blob(keys: list[str]) -> str:
     blob = "".join(keys)
     assert len(blob) == KEY_WIDTH * len(keys), "request keys are KEY_WIDTH hex chars"
     return blob
+
+
+def _pairs(flat: list[Any]) -> dict[str, int]:
+    return {_s(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
 
 def _s(v: Any) -> str:

@@ -16,12 +16,21 @@ class Candidate:
     inflight: int = 0                # requests this gateway has in flight to the pod
     pending_prefill: int = 0         # uncached prompt blocks this gateway sent to the pod
                                      # whose first token has not come back yet
+    held_blocks: int = 0             # blocks the pod's cache holds (index, confirmed)
+    num_blocks: int | None = None    # the pod's KV-cache capacity in blocks (None: unknown)
 
     @property
     def prefill_cost(self) -> int:
         """Blocks the pod must prefill before this request's first token: what it
         already owes this gateway plus this prompt's uncached blocks."""
         return self.pending_prefill + max(self.total_blocks - self.hit_blocks, 0)
+
+    @property
+    def cache_room(self) -> float | None:
+        """Fraction of the pod's cache not holding cached blocks (None: unknown)."""
+        if not self.num_blocks:
+            return None
+        return 1.0 - min(self.held_blocks / self.num_blocks, 1.0)
 
     @property
     def load_known(self) -> bool:

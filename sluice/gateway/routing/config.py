@@ -14,6 +14,7 @@ class RoutingConfig:
     w_prefill: float = 2.0         # weight of the pending-prefill cost score
     w_queue: float = 2.0           # weight of the queue (waiting + running) score
     w_kv: float = 2.0              # weight of the free-KV score
+    w_room: float = 2.0            # weight of the cache-room score (cache not yet filled)
     imbalance_abs: float = 16.0    # gate: max - min queue above this ...
     imbalance_rel: float = 1.5     # ... and max > rel * min  =>  hot pods are dropped
     kv_ceiling: float = 0.95       # pods at or above this KV usage are not candidates
@@ -25,7 +26,7 @@ class RoutingConfig:
 
     def __post_init__(self) -> None:
         assert self.strategy in STRATEGIES, self.strategy
-        assert min(self.w_prefix, self.w_prefill, self.w_queue, self.w_kv) >= 0
+        assert min(self.w_prefix, self.w_prefill, self.w_queue, self.w_kv, self.w_room) >= 0
         assert self.imbalance_abs >= 0 and self.imbalance_rel >= 1.0
         assert 0 < self.kv_ceiling <= 1.0 and self.cold_spread >= 0
         assert self.speculative_ttl_ms >= 0 and self.default_block_size > 0

@@ -33,6 +33,7 @@ from sluice.gateway.routing.filters import (
 )
 from sluice.gateway.routing.picker import MaxScorePicker
 from sluice.gateway.routing.scorers import (
+    CacheRoomScorer,
     KVUsageScorer,
     PrefillCostScorer,
     PrefixScorer,
@@ -76,7 +77,8 @@ class Router:
         self.parts = {"least_load": [(c.w_queue, QueueScorer()), (c.w_kv, KVUsageScorer())],
                       "prefix": [(c.w_prefix, PrefixScorer()),
                                  (c.w_prefill, PrefillCostScorer()),
-                                 (c.w_queue, QueueScorer()), (c.w_kv, KVUsageScorer())]}
+                                 (c.w_queue, QueueScorer()), (c.w_kv, KVUsageScorer()),
+                                 (c.w_room, CacheRoomScorer())]}
         self.parts["kv_aware"] = self.parts["prefix"]
 
     def index_mode(self) -> str:
@@ -110,6 +112,8 @@ class Router:
                 c.waiting, c.running, c.kv_usage = row["waiting"], row["running"], row["kv_usage"]
             c.inflight = self.inflight(c.pod)
             c.pending_prefill = self.pending_prefill(c.pod)
+            m = self.loads.metrics(c.pod)
+            c.num_blocks = m.num_gpu_blocks if m is not None else None
         for f in self.soft_filters:
             cands = f(cands, self.cfg)
         scores = weighted(cands, self.parts[strategy])
@@ -121,7 +125,8 @@ class Router:
             log.debug("route %s -> %s (%s): %s", strategy, chosen.pod, reason, ", ".join(
                 f"{c.pod} hit={c.hit_blocks}/{c.total_blocks} q={c.queue:g} "
                 f"prefill={c.prefill_cost} "
-                f"kv={c.kv_usage} score={s:.3f}" for c, s in zip(cands, scores)))
+                f"kv={c.kv_usage} room={c.cache_room} score={s:.3f}"
+                for c, s in zip(cands, scores)))
         return Decision(chosen.pod, strategy, chosen.hit_blocks, chosen.total_blocks,
                         self.index_mode(), reason, spec_keys)
 
@@ -135,15 +140,17 @@ class Router:
             group = [c for c in cands
                      if (self.block_size_of(c.pod) or self.cfg.default_block_size) == bs]
             pods = [c.pod for c in group]
+            held: dict[str, int] = {}
             if strategy == "kv_aware":
                 assert self.index is not None
-                hits, loads = await self.index.lookup(keys, pods)
+                hits, loads, held = await self.index.lookup(keys, pods)
                 if loads is not None:
                     shared = {**(shared or {}), **loads}
             else:
                 hits = self.history.lookup(keys, pods, time.time() * 1000.0)
             for c in group:
                 c.hit_blocks = hits.get(c.pod, 0)
+                c.held_blocks = held.get(c.pod, 0)
         return shared
 
     def _remember(self, strategy: str, chosen: Candidate,

@@ -4,6 +4,7 @@
           + w_prefill * (1 - prefill_cost / (max_prefill_cost + 1))
           + w_queue   * (1 - queue / (max_queue + 1))
           + w_kv      * (1 - kv_usage)
+          + w_room    * (1 - held_blocks / num_blocks)
 
 where prefill_cost = uncached blocks this gateway sent the pod that have not
 produced a first token yet + this prompt's blocks the pod lacks (Dynamo's
@@ -11,8 +12,13 @@ produced a first token yet + this prompt's blocks the pod lacks (Dynamo's
 the pod's load entry, this gateway's in-flight requests to it), and the maxima
 are over the candidates. A pod whose load entry expired (unknown) is filtered
 out while any pod's load is known (`UnknownLoadFilter`); if none is known, it
-gets 0 for the queue and KV terms. least_load uses the last two terms only.
-Higher is better.
+gets 0 for the queue and KV terms. held_blocks / num_blocks is how full the
+pod's cache is with cached blocks, in use or not (the index's confirmed keys
+for the pod over its `num_gpu_blocks`; 0 for the term while unknown): kv_usage
+counts only blocks of running requests, so without this term new prefixes are
+placed blind to the ones a pod already keeps, and a pod given more than its
+cache holds evicts them. least_load uses the queue and KV terms only. Higher
+is better.
 """
 
 from __future__ import annotations
@@ -41,6 +47,11 @@ class KVUsageScorer:
     def __call__(self, cands: list[Candidate]) -> list[float]:
         return [1.0 - min(max(c.kv_usage, 0.0), 1.0) if c.kv_usage is not None else 0.0
                 for c in cands]
+
+
+class CacheRoomScorer:
+    def __call__(self, cands: list[Candidate]) -> list[float]:
+        return [c.cache_room or 0.0 for c in cands]
 
 
 def weighted(cands: list[Candidate], parts: list[tuple[float, object]]) -> list[float]:
