@@ -66,6 +66,12 @@ def test_random_workload_keeps_invariants(w):
             assert n <= (w["threshold"] or n), "long_prefill_token_threshold caps each chunk"
         for req in out.preempted:
             assert req.num_computed_tokens == 0 and not kv.block_table(req.request_id)
+        if w["prefix_caching"]:  # no block that could be a hit is computed twice at once
+            touched = [h for req, n in out.scheduled
+                       for h in req.block_hashes[req.num_computed_tokens // bs:
+                                                 min(-(-(req.num_computed_tokens + n) // bs),
+                                                     (req.num_tokens - 1) // bs)]]
+            assert len(touched) == len(set(touched)), "two requests compute one block"
         kv.check_invariants()
         for req in sched.update_after_step(out):
             req.token_ids.append(rng.randrange(100))
@@ -119,6 +125,34 @@ def test_long_prefill_threshold_lets_a_short_prompt_start_beside_a_long_one():
 
     assert first_steps(0) == [[("long", 100)], [("long", 100)]], "no cap: the long one takes all"
     assert first_steps(32) == [[("long", 32), ("short", 10)], [("long", 32), ("short", 1)]]
+
+
+def test_a_request_waits_for_the_prefix_another_one_is_computing():
+    kv = KVCacheManager(16, 4, True)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64,
+                                      long_prefill_token_threshold=4), kv, 64)
+    prefix = list(range(16))
+    a, b, c = (Request("a", prefix, SamplingParams(max_tokens=1)),
+               Request("b", prefix + [90, 91], SamplingParams(max_tokens=1)),
+               Request("c", list(range(50, 56)), SamplingParams(max_tokens=1)))
+    sched.add(a)
+    steps = []
+    for i in range(4):
+        if i == 1:
+            sched.add(b)  # same prefix, while a's prefill is chunked
+            sched.add(c)  # another prompt behind it is not held up
+        out = sched.schedule()
+        steps.append([(r.request_id, n) for r, n in out.scheduled])
+        for req in sched.update_after_step(out):
+            req.token_ids.append(7)
+            req.finish("length")
+            sched.finish(req)
+    # b starts in the step that computes a's last block: blocks count as cached from
+    # the step that writes them (each layer writes its K/V before attending)
+    assert steps[:4] == [[("a", 4)], [("a", 4), ("c", 4)], [("a", 4), ("c", 2)],
+                         [("a", 4), ("b", 2)]]
+    assert b.num_cached_tokens == 16, "b found a's whole prefix cached"
+    kv.check_invariants()
 
 
 def test_lru_eviction_emits_events():

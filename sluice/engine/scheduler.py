@@ -53,6 +53,11 @@ class Scheduler:
         #    blocks allow (none after a preemption in this step): take their cached prefix
         #    blocks, and chunk the rest of the prompt to the remaining budget (and the
         #    threshold), so a short prompt starts beside a long prefill, not after it.
+        #    A waiting request whose first uncached block is one that a running (or just
+        #    admitted) request is still computing stays waiting, without holding up the
+        #    requests behind it: once that block is cached it is a hit, so computing it
+        #    twice would only take budget from other requests (a burst of one prefix
+        #    arriving while its first request's prefill is chunked).
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         i = 0
@@ -70,15 +75,21 @@ class Scheduler:
                 out.scheduled.append((req, num_new))
                 budget -= num_new
                 i += 1
-        while (self.waiting and budget > 0 and not out.preempted
+        in_prefill = self._blocks_in_prefill(self.running)
+        j = 0
+        while (j < len(self.waiting) and budget > 0 and not out.preempted
                and len(self.running) < self.config.max_num_seqs):
-            req = self.waiting[0]
+            req = self.waiting[j]
             hits = self.kv.get_computed_blocks(req)
+            if (in_prefill and len(hits) < (req.num_tokens - 1) // self.kv.block_size
+                    and req.block_hashes[len(hits)] in in_prefill):
+                j += 1  # its prefix is being computed: wait for it
+                continue
             num_hit_tokens = len(hits) * self.kv.block_size
             num_new = self._chunk(req.num_tokens - num_hit_tokens, budget)
             if not self.kv.allocate_slots(req, num_new, hits):
                 break
-            self.waiting.popleft()
+            del self.waiting[j]
             if req.num_cached_tokens < 0:  # first admission: count prefix-cache stats
                 req.num_cached_tokens = num_hit_tokens
                 out.num_prefix_queries += req.num_tokens
@@ -90,8 +101,18 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append((req, num_new))
             budget -= num_new
+            in_prefill |= self._blocks_in_prefill([req])
         assert budget >= 0 and len(self.running) <= self.config.max_num_seqs
         return out
+
+    def _blocks_in_prefill(self, reqs: list[Request]) -> set[int]:
+        """Hashes of the full blocks of `reqs` not computed yet (none without prefix
+        caching: nothing can be shared then)."""
+        if not self.kv.enable_prefix_caching:
+            return set()
+        bs = self.kv.block_size
+        return {h for r in reqs
+                for h in r.block_hashes[r.num_computed_tokens // bs: r.num_tokens // bs]}
 
     def _chunk(self, num_remaining: int, budget: int) -> int:
         cap = self.config.long_prefill_token_threshold
