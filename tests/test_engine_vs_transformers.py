@@ -18,7 +18,8 @@ def make_engine(folder, **kw) -> LLMEngine:
     cache = CacheConfig(block_size=kw.pop("block_size", 16), num_blocks=kw.pop("num_blocks", 256),
                         enable_prefix_caching=kw.pop("prefix_caching", True))
     sched = SchedulerConfig(max_num_batched_tokens=kw.pop("budget", 2048),
-                            max_num_seqs=kw.pop("max_num_seqs", 64))
+                            max_num_seqs=kw.pop("max_num_seqs", 64),
+                            long_prefill_token_threshold=kw.pop("threshold", 0))
     assert not kw
     return LLMEngine(EngineConfig(model=str(folder), served_model_name="tiny", dtype="float32",
                                   device="cpu", cache=cache, scheduler=sched))
@@ -94,6 +95,18 @@ def test_prefix_cache_hits(family, reference):
     # The exact same prompt again: everything but the last token comes from the cache.
     again = engine.generate(batch[:1], GREEDY)
     assert again == first
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_burst_of_one_prefix_during_its_chunked_prefill(family, reference):
+    # Sent together, prefilled 8 tokens a step: the others wait for the first one's
+    # prefix and hit all of it, from the step that writes its last block on.
+    ref = reference[family]
+    shared = prompts(1, seed=7, lo=40, hi=40)[0]
+    batch = [shared + tail for tail in prompts(4, seed=8, lo=1, hi=9)]
+    engine = make_engine(ref[0], block_size=8, budget=64, threshold=8)
+    assert engine.generate(batch, GREEDY) == [expected(ref, p) for p in batch]
+    assert engine.metrics.prefix_hits._value.get() == 3 * 40
 
 
 def test_prefix_caching_disabled_still_correct(reference):
