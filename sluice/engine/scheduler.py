@@ -75,7 +75,7 @@ class Scheduler:
                 out.scheduled.append((req, num_new))
                 budget -= num_new
                 i += 1
-        in_prefill = self._blocks_in_prefill(self.running)
+        in_prefill = self._blocks_in_prefill(self.running) if self.waiting else set()
         j = 0
         while (j < len(self.waiting) and budget > 0 and not out.preempted
                and len(self.running) < self.config.max_num_seqs):
