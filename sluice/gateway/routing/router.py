@@ -77,9 +77,8 @@ class Router:
         self.parts = {"least_load": [(c.w_queue, QueueScorer()), (c.w_kv, KVUsageScorer())],
                       "prefix": [(c.w_prefix, PrefixScorer()),
                                  (c.w_prefill, PrefillCostScorer()),
-                                 (c.w_queue, QueueScorer()), (c.w_kv, KVUsageScorer()),
-                                 (c.w_room, CacheRoomScorer())]}
-        self.parts["kv_aware"] = self.parts["prefix"]
+                                 (c.w_queue, QueueScorer()), (c.w_kv, KVUsageScorer())]}
+        self.parts["kv_aware"] = [*self.parts["prefix"], (c.w_room, CacheRoomScorer())]
 
     def index_mode(self) -> str:
         return self.index.mode if self.index is not None else "none"

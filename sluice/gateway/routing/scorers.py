@@ -1,4 +1,4 @@
-"""Scorers. The kv_aware / prefix score of a pod is
+"""Scorers. The kv_aware score of a pod is
 
     score = w_prefix  * hit_blocks / total_blocks
           + w_prefill * (1 - prefill_cost / (max_prefill_cost + 1))
@@ -17,8 +17,8 @@ pod's cache is with cached blocks, in use or not (the index's confirmed keys
 for the pod over its `num_gpu_blocks`; 0 for the term while unknown): kv_usage
 counts only blocks of running requests, so without this term new prefixes are
 placed blind to the ones a pod already keeps, and a pod given more than its
-cache holds evicts them. least_load uses the queue and KV terms only. Higher
-is better.
+cache holds evicts them. prefix (approximate) has no held counts, so it uses
+the first four terms; least_load the queue and KV terms only. Higher is better.
 """
 
 from __future__ import annotations
