@@ -11,7 +11,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis_server import RedisServer
 
-from sluice.gateway.resp_client import RespClient, Script, encode_command, run_scripts
+from sluice.gateway.redis_script import Script, run_scripts
+from sluice.gateway.resp_client import RespClient, encode_command
 
 
 def run(coro):

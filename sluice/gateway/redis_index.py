@@ -26,7 +26,8 @@ from typing import Any
 from sluice import index_keys as ik
 from sluice.gateway.redis_apply import APPLY, P, Outcome
 from sluice.gateway.redis_rewrite import PodRewriter
-from sluice.gateway.resp_client import RespClient, Script, run_scripts
+from sluice.gateway.redis_script import Script, run_scripts
+from sluice.gateway.resp_client import RespClient
 
 assert ik.pod_spec_key("X") == P + "pod:X:spec" and ik.load_key("X") == P + "load:X"
 

@@ -8,7 +8,7 @@ hiredis' C reply parser.
 
 Contract:
 - `call(*args)` sends one command and returns its reply; `pipeline(cmds)`
-  sends several in one write (`run_scripts`: several Lua script calls). Commands
+  sends several in one write (`redis_script.run_scripts`: several Lua script calls). Commands
   from all callers share one connection in order, and replies complete their
   futures first in, first out.
 - A caller that stops waiting (timeout, cancellation) does not desynchronise
@@ -36,11 +36,9 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import ssl
 import time
 from collections import deque
-from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlparse
 
@@ -183,7 +181,7 @@ class RespClient:
             [("SELECT", self._db)] if self._db else [])
         try:
             async with asyncio.timeout(self.timeout_s):
-                _raise_first(await asyncio.gather(
+                raise_first(await asyncio.gather(
                     *proto.send(b"".join(map(encode_command, setup)), len(setup)),
                     return_exceptions=True))
         except BaseException as err:
@@ -261,7 +259,7 @@ class RespClient:
         if any(isinstance(r, TimeoutError) for r in done):
             raise TimeoutError("Redis did not answer before the deadline")
         if not return_exceptions:
-            _raise_first(done)
+            raise_first(done)
         return done
 
     async def aclose(self) -> None:
@@ -278,37 +276,8 @@ def _expire(futs: list[asyncio.Future]) -> None:
             f.set_exception(TimeoutError("Redis did not answer before the deadline"))
 
 
-def _raise_first(replies: list[Any]) -> None:
+def raise_first(replies: list[Any]) -> None:
+    """Raise the first exception among `replies` (those gathered with `return_exceptions`)."""
     for r in replies:
         if isinstance(r, BaseException):
             raise r
-
-
-class Script:
-    """A Lua script (ARGV only) run by EVALSHA, loaded with EVAL when Redis lacks it."""
-
-    def __init__(self, client: RespClient, source: str) -> None:
-        self.client = client
-        self.source = source
-        self.sha = hashlib.sha1(source.encode()).hexdigest()
-
-    async def __call__(self, args: Sequence[Arg], deadline: float | None = None) -> Any:
-        return (await run_scripts(self.client, [(self, args)], deadline))[0]
-
-
-async def run_scripts(client: RespClient, calls: list[tuple[Script, Sequence[Arg]]],
-                      deadline: float | None = None) -> list[Any]:
-    """The replies of several script calls sent in one write (by EVALSHA; those
-    Redis lacks, NOSCRIPT, again by EVAL); the first error is raised."""
-    replies = await client.pipeline([("EVALSHA", s.sha, 0, *a) for s, a in calls],
-                                    return_exceptions=True, deadline=deadline)
-    missing = [i for i, r in enumerate(replies)
-               if isinstance(r, ResponseError) and str(r).startswith("NOSCRIPT")]
-    if missing:
-        again = await client.pipeline([("EVAL", calls[i][0].source, 0, *calls[i][1])
-                                       for i in missing], return_exceptions=True,
-                                      deadline=deadline)
-        for i, r in zip(missing, again):
-            replies[i] = r
-    _raise_first(replies)
-    return replies
