@@ -183,3 +183,27 @@ def test_a_removed_pods_metric_series_go():
     m.child(m.ttfb, "a:1").observe(0.1)  # back: a new series, not the dropped one's child
     text = generate_latest(m.registry).decode()
     assert 'sluice_gateway_upstream_first_byte_seconds_count{pod="a:1"} 1.0' in text
+
+
+def test_own_speculative_entries_extend_hits_found_elsewhere():
+    """Against its definition: a pod's run goes on while each next key is within
+    the other source's hits or an unexpired speculative entry of that pod."""
+    import random
+    rng = random.Random(0)
+    keys = [f"k{i}" for i in range(12)]
+    for _ in range(300):
+        view, spec = LocalIndex(), {}
+        for _ in range(rng.randrange(6)):
+            pod, lo = rng.choice(PODS), rng.randrange(12)
+            part, expiry = keys[lo:lo + rng.randrange(1, 6)], rng.choice([50.0, 100.0, 150.0])
+            view.add_speculative(pod, part, expiry)
+            spec.update({(pod, k): expiry for k in part})
+        base = {p: rng.randrange(1, 4) for p in PODS if rng.random() < 0.5}
+        expected = {}
+        for p in PODS:
+            n = 0
+            while n < len(keys) and (n < base.get(p, 0) or spec.get((p, keys[n]), 0) > 100):
+                n += 1
+            if n:
+                expected[p] = n
+        assert view.with_speculative(keys, base, PODS, now_ms=100.0) == expected

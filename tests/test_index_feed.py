@@ -264,6 +264,51 @@ def test_a_speculation_without_a_lookup_after_it_is_flushed_alone(srv):
     assert LOOP.run_until_complete(go()) == (0, 2, 0)
 
 
+def test_own_speculations_count_before_they_reach_redis(srv):
+    """A replica's latest decisions extend Redis's hits before they are flushed."""
+    index, other = make_index(srv.port), make_index(srv.port)  # two gateway replicas
+    keys = request_keys(MODEL, BS, TOKENS)
+
+    async def go():
+        other.speculate("b:2", keys[:2], ttl_ms=60_000)
+        await asyncio.sleep(other.flush_after_s + 0.2)  # in Redis
+        index.speculate("b:2", keys[2:], ttl_ms=60_000)  # continues b's run
+        index.speculate("a:1", keys[:1], ttl_ms=60_000)
+        assert index.redis.pending == 2  # none flushed yet
+        mine = (await index.lookup(keys, ["a:1", "b:2", "c:3"])).hits
+        theirs = (await other.lookup(keys, ["a:1", "b:2", "c:3"])).hits
+        return mine, theirs
+
+    assert LOOP.run_until_complete(go()) == ({"a:1": 1, "b:2": len(keys)}, {"b:2": 2})
+
+
+def test_a_burst_of_one_prefix_sticks_with_redis_up(srv):
+    """Concurrent and back-to-back routings of one prompt, all within the
+    speculative flush interval, go to the first one's pod as hits."""
+    from sluice.gateway.load import EngineMetrics, LoadTable
+    from sluice.gateway.routing.config import RoutingConfig
+    from sluice.gateway.routing.router import Router
+
+    pods = ["p0:1", "p1:1", "p2:1", "p3:1"]
+    index = make_index(srv.port)
+    index.flush_after_s = 60.0  # nothing reaches Redis during the test
+    table = LoadTable(ttl_ms=60_000)
+    for pod in pods:
+        table.put(pod, EngineMetrics(waiting=0, running=0, kv_usage=0.1), time.time() * 1000)
+    router = Router(RoutingConfig(strategy="kv_aware"), index, LocalIndex(), table,
+                    lambda p: True, lambda p: 0, lambda p: BS, lambda p: 0)
+    tokens = list(range(500, 540))  # 10 blocks
+
+    async def go():
+        burst = await asyncio.gather(*[router.route(MODEL, tokens, pods) for _ in range(6)])
+        after = [await router.route(MODEL, tokens, pods) for _ in range(3)]
+        return [(d.pod, d.hit_blocks) for d in burst + after]
+
+    decisions = LOOP.run_until_complete(go())
+    assert {pod for pod, _ in decisions} == {decisions[0][0]}
+    assert [hit for _, hit in decisions] == [0] + [10] * 8
+
+
 def test_bad_endpoint_does_not_stop_the_feed():
     a = Engine("a:1", 1)
     index = make_index(None)

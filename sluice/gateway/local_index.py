@@ -140,6 +140,27 @@ class LocalIndex:
         with self._lock:
             return {p: len(self._counts.get(p, ())) for p in pods}
 
+    def with_speculative(self, keys: list[str], hits: dict[str, int], pods: list[str],
+                         now_ms: float) -> dict[str, int]:
+        """`hits` (pod -> leading `keys` held, as another source such as Redis
+        found them) extended by this view's unexpired speculative entries: each
+        pod's run goes on while the next key is speculatively its own. This is
+        how a replica sees its own latest decisions before they reach Redis."""
+        out = dict(hits)
+        with self._lock:
+            if not self._spec:
+                return out
+            for p in pods:
+                i = hits.get(p, 0)
+                while i < len(keys):
+                    spec = self._spec.get(keys[i])
+                    if spec is None or spec.get(p, 0) <= now_ms:
+                        break
+                    i += 1
+                if i:
+                    out[p] = i
+        return out
+
     def lookup(self, keys: list[str], pods: list[str], now_ms: float) -> dict[str, int]:
         """For each of `pods`, the number of leading `keys` it holds consecutively
         (confirmed or unexpired speculative). Pods with no hit are absent."""

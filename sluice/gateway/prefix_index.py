@@ -209,13 +209,17 @@ class PrefixIndex:
     # -- request path ----------------------------------------------------------------------
     async def lookup(self, keys: list[str], pods: list[str]) -> Found:
         """Hits per pod, loads from Redis (None: the caller uses its local loads) and
-        keys held per pod, from Redis or else the local view."""
+        keys held per pod, from Redis or else the local view. Redis's hits are
+        extended by this replica's own speculative entries, which reach Redis up
+        to `flush_after_s` later (or were decided while this lookup was in
+        flight): a burst of one prefix sticks to one pod from its second request."""
         if self.redis is not None and not self._degraded:
             try:
-                found = await self.redis.lookup(keys, pods, now_ms(),
-                                                 time.monotonic() + self.lookup_timeout_s)
+                hits, loads, held = await self.redis.lookup(
+                    keys, pods, now_ms(), time.monotonic() + self.lookup_timeout_s)
                 self._slow = 0
-                return Found(*found)
+                return Found(self.local.with_speculative(keys, hits, pods, now_ms()),
+                             loads, held)
             except TimeoutError:
                 self._timed_out()  # this request uses the local view
             except (RedisError, OSError) as err:
