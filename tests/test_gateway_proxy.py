@@ -104,7 +104,8 @@ def test_bad_input_is_openai_shaped():
                  (json.dumps({"model": "m", "prompt": [2**70, 1]}).encode(), 400),
                  (json.dumps({"model": "m", "prompt": [-1]}).encode(), 400),
                  (json.dumps({"model": "m", "prompt": [[5, 2**40]]}).encode(), 400),
-                 (json.dumps({"model": "m", "prompt": []}).encode(), 400)]
+                 (json.dumps({"model": "m", "prompt": []}).encode(), 400),
+                 (b'{"model": "m", "prompt": "x", "temperature": NaN}', 400)]
         for body, status in cases:
             r = post(gw.url, body)
             assert r.status_code == status, (body[:30], r.text)

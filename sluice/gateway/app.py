@@ -124,7 +124,7 @@ class Gateway:
     async def handle(self, request: Request, kind: str) -> Response | None:
         body = request.body
         try:
-            data = json.loads(body)
+            data = json.loads(body, parse_constant=_not_json)
         except (ValueError, UnicodeDecodeError, RecursionError) as err:
             self.metrics.errors.labels("bad_request").inc()
             return error_response(400, f"request body is not valid JSON: {err}", "invalid_json")
@@ -227,6 +227,10 @@ def _is_prompt(p: Any) -> bool:
 GATEWAY = "gateway"  # app.state key of the Gateway
 
 
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # (Python's json module accepts NaN, Infinity)
+
+
 def _json(body: Any, status: int = 200) -> Response:
     return Response(status, json.dumps(body).encode(), {"content-type": "application/json"})
 
@@ -239,8 +243,8 @@ def create_app(gateway: Gateway) -> App:
     app.on_cleanup.append(gateway.stop)
 
     def rejected(status: int) -> None:
-        if status in (400, 413, 431):
-            gateway.metrics.errors.labels("bad_request").inc()
+        kind = {404: "not_found", 405: "not_found", 500: "internal"}.get(status, "bad_request")
+        gateway.metrics.errors.labels(kind).inc()
 
     app.on_reject = rejected
 

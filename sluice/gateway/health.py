@@ -53,6 +53,9 @@ class HealthTracker:
                     ok = (await http.get(url + "/health", 1.0))[0] == 200
                 except HTTP_ERRORS:
                     ok = False
+                except Exception:  # noqa: BLE001 -- a bug must not end the probing for good
+                    log.exception("probing %s failed", pod)
+                    ok = False
                 if ok:
                     self.forget(pod)
                     log.warning("%s healthy again (probe succeeded)", pod)

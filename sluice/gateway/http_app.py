@@ -19,7 +19,8 @@ class _Conn(Protocol):
 
 class App:
     """Routes and lifecycle hooks. `on_reject(status)` is told of every request
-    refused before a handler saw it (400, 404, 405, 413)."""
+    refused before a handler saw it (400, 404, 405, 413, 431) and of every
+    internal error answered 500 (a handler's bug)."""
 
     def __init__(self, max_body_bytes: int) -> None:
         assert max_body_bytes > 0

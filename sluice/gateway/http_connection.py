@@ -226,6 +226,7 @@ class Connection(asyncio.Protocol):
                         self.closed or self.transport.is_closing()):
                     return False  # the client left (or was cut for not reading)
                 log.exception("internal error on %s %s", req.method, req.path)
+                self.app.on_reject(500)
                 if req._stream is not None:
                     return False  # an answer already began: cut it
                 resp = error_response(500, "internal gateway error", "internal_error")
@@ -236,6 +237,7 @@ class Connection(asyncio.Protocol):
             self._send(resp, req.keep_alive, head_only=req.method == "HEAD")
         except (ValueError, TypeError, UnicodeEncodeError):  # not sendable
             log.exception("unsendable answer to %s %s", req.method, req.path)
+            self.app.on_reject(500)
             self._send(error_response(500, "internal gateway error", "internal_error"),
                        req.keep_alive)
         await self.drain()  # pipelined answers wait for the client to read

@@ -29,8 +29,11 @@ class GatewayMetrics:
         self.ttfb = Histogram("sluice_gateway_upstream_first_byte_seconds",
                               "Upstream time to first byte", ["pod"], registry=r, buckets=_LAT)
         self.upstream = Histogram("sluice_gateway_upstream_seconds",
-                                  "Upstream request duration", ["pod"], registry=r, buckets=_LAT)
-        self.errors = Counter("sluice_gateway_errors", "Errors by kind", ["kind"], registry=r)
+                                  "Upstream request duration, every attempt", ["pod"], registry=r, buckets=_LAT)
+        self.errors = Counter(  # kinds: bad_request, not_found, unknown_model, tokenize,
+            # no_pod, connect, connect_timeout, upstream_timeout, upstream_5xx, upstream_429,
+            # mid_stream, internal
+            "sluice_gateway_errors", "Errors by kind", ["kind"], registry=r)
         self.retries = Counter("sluice_gateway_retries", "Retries on another pod", registry=r)
         self.index_mode = Gauge("sluice_gateway_index_mode",
                                 "1 for the index mode in use (redis / local / local_only)",

@@ -10,9 +10,13 @@ Failure handling:
   errors and 5xx count toward the pod's unhealthy mark; 429 does not);
 - read timeout before the first byte: 504, not retried (the engine may still
   be working on it);
-- no pod left: 503;
+- no pod left: 503 (429 when every pod tried answered 429), with Retry-After;
 - the pod dies while its answer is read: a buffered answer becomes a 502; a
-  relayed SSE stream gets an OpenAI-shaped error event and ends;
+  relayed SSE stream gets an OpenAI-shaped error event and ends. Only whole
+  events are relayed (a partial one waits for its end), so the error event
+  never lands inside one;
+- a pod counts as healthy again only when an answer has been relayed whole:
+  one that sends its head and then fails every time is marked unhealthy;
 - client disconnect: the server cancels the handler (or the next write fails
   with ConnectionResetError), and the upstream connection is closed, not pooled,
   so the engine sees the disconnect and aborts the request.
@@ -38,6 +42,19 @@ from sluice.gateway.routing.router import Decision
 log = logging.getLogger("sluice.gateway.proxy")
 
 RouteFn = Callable[[frozenset[str]], Awaitable[Decision | None]]
+ERROR_TEXT_WAIT_S = 1.0  # for the body of a 5xx / 429 (its text goes into ours)
+
+
+def decision_headers(d: Decision) -> dict[str, str]:
+    return {"x-sluice-pod": d.pod, "x-sluice-prefix-hit-blocks": str(d.hit_blocks),
+            "x-sluice-prompt-blocks": str(d.total_blocks),
+            "x-sluice-strategy": d.strategy, "x-sluice-index": d.index_mode}
+
+
+def complete_events(data: bytes) -> int:
+    """Length of the leading whole SSE events in `data` (each ends in a blank line)."""
+    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
 @dataclass(frozen=True)
@@ -87,18 +104,19 @@ class Proxy:
                                                self.cfg.read_timeout_s)
             except ConnectTimeout:
                 attempt.done()
-                self._failed(pod, "connect_timeout")
+                self._failed(pod, "connect_timeout", started)
                 last_error = f"engine {pod} did not accept the connection"
                 continue
             except ReadTimeout:
                 # silent past read_timeout: not retried (it may still be working on
                 # the request), but counted, so a hung pod ends up marked unhealthy
                 attempt.done()
-                self._failed(pod, "upstream_timeout")
-                return error_response(504, f"engine {pod} did not answer in time", "timeout")
+                self._failed(pod, "upstream_timeout", started)
+                return error_response(504, f"engine {pod} did not answer in time", "timeout",
+                                      headers=decision_headers(decision))
             except UpstreamError as err:
                 attempt.done()
-                self._failed(pod, "connect")
+                self._failed(pod, "connect", started)
                 last_error = f"engine {pod} unreachable: {err}"
                 continue
             except BaseException:  # the client left before the answer began (cancelled)
@@ -106,7 +124,8 @@ class Proxy:
                 raise
             if resp.status >= 500 or resp.status == 429:
                 try:
-                    text = (await resp.chunk(self.cfg.read_timeout_s))[:500].decode(
+                    text = (await resp.chunk(min(self.cfg.read_timeout_s,
+                                                 ERROR_TEXT_WAIT_S)))[:500].decode(
                         errors="replace")
                 except UpstreamError:
                     text = ""
@@ -116,11 +135,11 @@ class Proxy:
                 if resp.status == 429:
                     busy += 1
                     self.metrics.errors.labels("upstream_429").inc()
+                    self._observe(pod, started)
                 else:
-                    self._failed(pod, "upstream_5xx")
+                    self._failed(pod, "upstream_5xx", started)
                 last_error = f"engine {pod} answered {resp.status}: {text}"
                 continue
-            self.health.success(pod)
             self.metrics.child(self.metrics.ttfb, pod).observe(time.perf_counter() - started)
             return await self._relay(request, resp, decision, started, attempt)
         self.metrics.errors.labels("no_pod").inc()
@@ -130,15 +149,18 @@ class Proxy:
         return error_response(503, last_error, "service_unavailable",
                               headers={"retry-after": "1"})
 
-    def _failed(self, pod: str, kind: str) -> None:
+    def _failed(self, pod: str, kind: str, started: float) -> None:
         self.metrics.errors.labels(kind).inc()
         self.health.failure(pod)
+        self._observe(pod, started)
+
+    def _observe(self, pod: str, started: float) -> None:
+        """The attempt's upstream time (every attempt: failed ones are the slow tail)."""
+        self.metrics.child(self.metrics.upstream, pod).observe(time.perf_counter() - started)
 
     async def _relay(self, request: Request, resp: Connection, d: Decision,
                      started: float, attempt: Attempt) -> Response | None:
-        headers = {"x-sluice-pod": d.pod, "x-sluice-prefix-hit-blocks": str(d.hit_blocks),
-                   "x-sluice-prompt-blocks": str(d.total_blocks),
-                   "x-sluice-strategy": d.strategy, "x-sluice-index": d.index_mode}
+        headers = decision_headers(d)
         for name in ("content-type", "content-encoding", "x-request-id"):
             if name in resp.headers:
                 headers[name] = resp.headers[name]
@@ -152,11 +174,12 @@ class Proxy:
                 except UpstreamError as err:
                     self._failed_mid_stream(d.pod, err)
                     return error_response(502, f"engine {d.pod} failed while answering: "
-                                               f"{err}", "upstream_error")
+                                               f"{err}", "upstream_error", headers=headers)
                 eof = True
                 attempt.prefilled()
                 return Response(resp.status, data, headers)
             out = request.stream(resp.status, headers)
+            partial = b""  # (SSE) the start of an event whose end has not arrived
             while True:
                 try:
                     chunk = await resp.chunk(timeout)
@@ -169,18 +192,26 @@ class Proxy:
                     return None  # (other bodies are cut: the client sees them truncated)
                 if not chunk:
                     eof = True
+                    if partial:  # (an engine that ends without a blank line)
+                        await out.write(partial)
                     out.end()
                     return None
                 attempt.prefilled()  # (first body bytes: the prefill is over)
+                if sse:
+                    chunk = partial + chunk if partial else chunk
+                    end = complete_events(chunk)
+                    chunk, partial = chunk[:end], chunk[end:]
+                    if not chunk:
+                        continue
                 await out.write(chunk)
         finally:
             if eof:
                 self.http.release(resp)  # the connection goes back to the pool
+                self.health.success(d.pod)
             else:
                 resp.close()  # the engine sees the disconnect and aborts
             attempt.done()
-            self.metrics.child(self.metrics.upstream, d.pod).observe(
-                time.perf_counter() - started)
+            self._observe(d.pod, started)
 
     def _failed_mid_stream(self, pod: str, err: BaseException) -> None:
         self.metrics.errors.labels("mid_stream").inc()
