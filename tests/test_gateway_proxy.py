@@ -250,7 +250,7 @@ def test_pending_prefill_and_inflight_are_released():
         gw = app.state[GATEWAY]
         with Server(app) as server:
             with httpx.stream("POST", server.url + "/v1/completions", json={
-                    "model": "m", "prompt": list(range(64)), "stream": True}) as r:
+                    "model": "m", "prompt": list(range(70)), "stream": True}) as r:
                 assert r.headers["x-sluice-prompt-blocks"] == "4"
                 lines = r.iter_lines()
                 next(lines)
@@ -262,7 +262,7 @@ def test_pending_prefill_and_inflight_are_released():
                 time.sleep(0.05)
             assert flight.inflight == {} and flight.pending_prefill == {}
             # a second identical prompt: the speculative entry makes it a full hit
-            r = post(server.url, {"model": "m", "prompt": list(range(64))})
+            r = post(server.url, {"model": "m", "prompt": list(range(70))})
             assert r.headers["x-sluice-prefix-hit-blocks"] == "4"
 
 
@@ -339,7 +339,7 @@ def test_speculative_entries_last_while_the_prefill_outlasts_their_ttl():
         app = gateway_app([(a, "m"), (b, "m")], strategy="kv_aware", speculative_ttl_ms=300)
         flight = app.state[GATEWAY].proxy.flight
         with Server(app) as server, ThreadPoolExecutor(1) as ex:
-            body = {"model": "m", "prompt": list(range(64))}
+            body = {"model": "m", "prompt": list(range(70))}
             first = ex.submit(post, server.url, body)
             time.sleep(0.9)
             second = post(server.url, body)

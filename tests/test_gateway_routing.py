@@ -12,11 +12,11 @@ from sluice.gateway.routing.config import RoutingConfig
 from sluice.gateway.routing.router import Router
 
 PODS = ["p0:1", "p1:1", "p2:1", "p3:1"]
-PROMPT = list(range(1000, 1160))  # 10 blocks of 16
+PROMPT = list(range(1000, 1165))  # 10 full blocks of 16 and 5 tokens
 
 
 def make(strategy="kv_aware", loads=None, unhealthy=(), inflight=None, pending=None,
-         num_blocks=None, **cfg):
+         num_blocks=None, block_sizes=None, **cfg):
     index = PrefixIndex(LocalIndex(), None)
     table = LoadTable(ttl_ms=10_000)
     now = time.time() * 1000
@@ -27,7 +27,8 @@ def make(strategy="kv_aware", loads=None, unhealthy=(), inflight=None, pending=N
                                          num_gpu_blocks=num_blocks), now)
     router = Router(RoutingConfig(strategy=strategy, **cfg), index, LocalIndex(), table,
                     lambda p: p not in unhealthy, lambda p: (inflight or {}).get(p, 0),
-                    lambda p: 16, lambda p: (pending or {}).get(p, 0))
+                    lambda p: (block_sizes or {}).get(p, 16),
+                    lambda p: (pending or {}).get(p, 0))
     return router, index
 
 
@@ -103,12 +104,12 @@ def test_new_prefixes_go_where_the_cache_has_room():
 
 
 def test_cold_request_avoids_pods_busy_with_prefills():
-    router, _ = make(pending={"p0:1": 40, "p1:1": 30, "p2:1": 50}, speculative_ttl_ms=0)
+    router, _ = make(pending={"p0:1": 640, "p1:1": 480, "p2:1": 800}, speculative_ttl_ms=0)
     assert {route(router, tokens=[i] * 64).pod for i in range(20)} == {"p3:1"}
 
 
 def test_prefix_hit_still_wins_over_a_small_pending_prefill():
-    router, index = make(pending={"p2:1": 4})
+    router, index = make(pending={"p2:1": 64})  # tokens
     hold(index, "p2:1", 10)
     assert route(router).pod == "p2:1"
 
@@ -207,3 +208,33 @@ def test_own_speculative_entries_extend_hits_found_elsewhere():
             if n:
                 expected[p] = n
         assert view.with_speculative(keys, base, PODS, now_ms=100.0) == expected
+
+
+def test_a_block_aligned_prompt_reuses_one_block_less_than_held():
+    """As the engine: the last token is always computed, so a prompt of n full
+    blocks reuses at most n - 1 of them."""
+    router, index = make(loads={"p1:1": (10, 0, 0.1)})
+    hold(index, "p1:1", 4, tokens=PROMPT[:64])
+    d = route(router, tokens=PROMPT[:64])
+    assert (d.pod, d.hit_blocks, d.total_blocks, d.prefill_tokens) == ("p1:1", 3, 4, 16)
+    hold(index, "p1:1", 1, tokens=PROMPT[:16])  # one block: nothing to reuse, so the
+    d = route(router, tokens=PROMPT[:16])       # queue at p1 decides
+    assert d.pod != "p1:1" and d.hit_blocks == 0
+
+
+def test_pods_with_other_block_sizes_compare_prefill_in_tokens():
+    router, _ = make(block_sizes={"p0:1": 32}, speculative_ttl_ms=0)
+    seen = collections.Counter(route(router, tokens=[i] * 320).pod for i in range(200))
+    assert set(seen) == set(PODS) and min(seen.values()) > 20
+
+
+def test_the_block_size_of_a_pods_events_is_used_before_any_scrape():
+    from sluice.gateway.app import Gateway, GatewayConfig
+    from sluice.gateway.discovery import Endpoint, StaticDiscovery
+
+    eps = [Endpoint(pod=p, url=f"http://{p}", model="m", pool="m") for p in PODS]
+    gw = Gateway(GatewayConfig(routing=RoutingConfig(strategy="kv_aware")), StaticDiscovery(eps))
+    keys = request_keys("m", 32, PROMPT)
+    gw.index.apply("p2:1", 0, [(f"h{i}", k) for i, k in enumerate(keys)], [], False, 32)
+    d = asyncio.run(gw.router.route("m", PROMPT, PODS))
+    assert (d.pod, d.hit_blocks, d.total_blocks) == ("p2:1", 5, 5)

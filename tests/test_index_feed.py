@@ -297,7 +297,7 @@ def test_a_burst_of_one_prefix_sticks_with_redis_up(srv):
         table.put(pod, EngineMetrics(waiting=0, running=0, kv_usage=0.1), time.time() * 1000)
     router = Router(RoutingConfig(strategy="kv_aware"), index, LocalIndex(), table,
                     lambda p: True, lambda p: 0, lambda p: BS, lambda p: 0)
-    tokens = list(range(500, 540))  # 10 blocks
+    tokens = list(range(500, 541))  # 10 full blocks and a token
 
     async def go():
         burst = await asyncio.gather(*[router.route(MODEL, tokens, pods) for _ in range(6)])

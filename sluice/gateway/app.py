@@ -90,7 +90,8 @@ class Gateway:
                           cfg.routing.speculative_ttl_ms / 2000.0 or 1.0)  # half the TTL
         self.router = Router(cfg.routing, self.index, LocalIndex(cfg.local_index), self.loads,
                              self.health.is_healthy, lambda p: flight.inflight.get(p, 0),
-                             self.registry.block_size_of,
+                             # the events' block size: the index's keys were made with it
+                             lambda p: self.index.block_size(p) or self.registry.block_size_of(p),
                              lambda p: flight.pending_prefill.get(p, 0))
         self.proxy = Proxy(cfg.proxy, self.http, self.health, self.metrics,
                            self.registry.url_of, flight)

@@ -1,7 +1,7 @@
 """Requests sent to engine pods: the router's in-flight signals, per pod.
 
 - `inflight[pod]`: requests sent there and not finished.
-- `pending_prefill[pod]`: uncached prompt blocks of those whose answer has not
+- `pending_prefill[pod]`: uncached prompt tokens of those whose answer has not
   begun (their prefill is still running or queued).
 - While a request's prefill is pending, its routing decision's speculative index
   entries are renewed every `renew_every_s` (`renew`): a prefill can outlast
@@ -51,7 +51,7 @@ class Attempt:
 
     def __init__(self, table: InFlight, d: Decision) -> None:
         self.table, self.d = table, d
-        self.owed = max(d.total_blocks - d.hit_blocks, 0)
+        self.owed = d.prefill_tokens
         self.finished = False
         table._add(table.inflight, d.pod, 1)
         table._add(table.pending_prefill, d.pod, self.owed)

@@ -62,6 +62,10 @@ class PrefixIndex:
         self._block_size: dict[str, int] = {}
         self.on_mode_change: list[Any] = []
 
+    def block_size(self, pod: str) -> int | None:
+        """The block size of the pod's events (None: none seen yet)."""
+        return self._block_size.get(pod)
+
     @property
     def mode(self) -> str:
         """"redis" (shared index), "local" (Redis down: fallback) or "local_only"."""

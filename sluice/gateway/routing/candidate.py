@@ -8,22 +8,30 @@ from dataclasses import dataclass
 @dataclass
 class Candidate:
     pod: str
-    hit_blocks: int = 0              # leading prompt blocks the pod holds (predicted)
+    hit_blocks: int = 0              # leading prompt blocks the pod would reuse (predicted)
     total_blocks: int = 0            # full blocks in the prompt (for that pod's block size)
+    block_size: int = 16             # the pod's, in tokens
+    prompt_tokens: int = 0
     waiting: float | None = None     # None: no fresh load entry (unknown)
     running: float | None = None
     kv_usage: float | None = None
     inflight: int = 0                # requests this gateway has in flight to the pod
-    pending_prefill: int = 0         # uncached prompt blocks this gateway sent to the pod
+    pending_prefill: int = 0         # uncached prompt tokens this gateway sent to the pod
                                      # whose first token has not come back yet
     held_blocks: int = 0             # blocks the pod's cache holds (index, confirmed)
     num_blocks: int | None = None    # the pod's KV-cache capacity in blocks (None: unknown)
 
     @property
+    def uncached_tokens(self) -> int:
+        """This prompt's tokens the pod must compute."""
+        return max(self.prompt_tokens - self.hit_blocks * self.block_size, 0)
+
+    @property
     def prefill_cost(self) -> int:
-        """Blocks the pod must prefill before this request's first token: what it
-        already owes this gateway plus this prompt's uncached blocks."""
-        return self.pending_prefill + max(self.total_blocks - self.hit_blocks, 0)
+        """Tokens the pod must prefill before this request's first token: what it
+        already owes this gateway plus this prompt's uncached tokens (in tokens, so
+        pods with different block sizes compare alike)."""
+        return self.pending_prefill + self.uncached_tokens
 
     @property
     def cache_room(self) -> float | None:

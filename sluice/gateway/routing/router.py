@@ -53,6 +53,7 @@ class Decision:
     index_mode: str
     reason: str
     spec_keys: tuple[str, ...] = ()  # written as speculative entries (kv_aware)
+    prefill_tokens: int = 0          # the prompt's tokens the pod must compute
 
 
 class Router:
@@ -95,10 +96,11 @@ class Router:
             return Decision(pod, strategy, 0, 0, self.index_mode(), "round robin")
         keys_by_size: dict[int, list[str]] = {}
         for c in cands:
-            bs = self.block_size_of(c.pod) or self.cfg.default_block_size
+            bs = c.block_size = self.block_size_of(c.pod) or self.cfg.default_block_size
             if bs not in keys_by_size:
                 keys_by_size[bs] = request_keys(model, bs, token_ids)
             c.total_blocks = len(keys_by_size[bs])
+            c.prompt_tokens = len(token_ids)
         shared_loads = await self._fill_hits(strategy, cands, keys_by_size)
         now = time.time() * 1000.0
         loads = shared_loads
@@ -127,7 +129,7 @@ class Router:
                 f"kv={c.kv_usage} room={c.cache_room} score={s:.3f}"
                 for c, s in zip(cands, scores)))
         return Decision(chosen.pod, strategy, chosen.hit_blocks, chosen.total_blocks,
-                        self.index_mode(), reason, spec_keys)
+                        self.index_mode(), reason, spec_keys, chosen.uncached_tokens)
 
     async def _fill_hits(self, strategy: str, cands: list[Candidate],
                          keys_by_size: dict[int, list[str]]
@@ -148,7 +150,10 @@ class Router:
             else:
                 hits = self.history.lookup(keys, pods, time.time() * 1000.0)
             for c in group:
-                c.hit_blocks = hits.get(c.pod, 0)
+                # the engine always computes the prompt's last token (its logits are
+                # sampled), so a block-aligned prompt reuses one block less than held
+                reusable = (c.prompt_tokens - 1) // bs if c.prompt_tokens else 0
+                c.hit_blocks = min(hits.get(c.pod, 0), reusable)
                 c.held_blocks = held.get(c.pod, 0)
         return shared
 

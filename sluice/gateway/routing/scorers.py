@@ -6,8 +6,8 @@
           + w_kv      * (1 - kv_usage)
           + w_room    * (1 - held_blocks / num_blocks)
 
-where prefill_cost = uncached blocks this gateway sent the pod that have not
-produced a first token yet + this prompt's blocks the pod lacks (Dynamo's
+where prefill_cost = uncached tokens this gateway sent the pod that have not
+produced a first token yet + this prompt's tokens the pod lacks (Dynamo's
 "prefill left after the overlap credit"), queue = max(waiting + running from
 the pod's load entry, this gateway's in-flight requests to it), and the maxima
 are over the candidates. A pod whose load entry expired (unknown) is filtered
