@@ -168,6 +168,17 @@ vllm:prefix_cache_hits_created{model_name="m"} 1.7e9
     assert (m.prefix_hits, m.prefix_queries) == (320, 640)
 
 
+def test_kv_usage_of_a_data_parallel_server_is_the_mean_of_its_engines():
+    from sluice.gateway.load import parse_engine_metrics
+    text = """vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 1.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.3
+"""
+    m = parse_engine_metrics(text)
+    assert m.waiting == 4 and abs(m.kv_usage - 0.4) < 1e-9
+
+
 def test_a_removed_pods_metric_series_go():
     from prometheus_client import generate_latest
 

@@ -38,9 +38,12 @@ class EngineMetrics:
 
 
 def parse_engine_metrics(text: str) -> EngineMetrics:
-    """Read the vLLM metrics routing needs from a Prometheus text exposition
-    (summed over `model_name` label values)."""
+    """Read the vLLM metrics routing needs from a Prometheus text exposition.
+    Counts are summed over series (`model_name`, `engine` label values); the
+    KV-usage fraction is their mean (vLLM exports one series per engine of a
+    data-parallel server, each a fraction of its own cache)."""
     vals: dict[str, float] = {}
+    series: dict[str, int] = {}
     info: dict[str, str] = {}
     for line in text.splitlines():
         if not line.startswith("vllm:"):
@@ -57,7 +60,12 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
             info = dict(_LABEL.findall(labels))
             continue
         vals[name] = vals.get(name, 0.0) + v
-    kv = vals.get("vllm:kv_cache_usage_perc", vals.get("vllm:gpu_cache_usage_perc", 0.0))
+        series[name] = series.get(name, 0) + 1
+    kv = 0.0
+    for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+        if name in vals:
+            kv = vals[name] / series[name]
+            break
 
     def as_int(s: str | None) -> int | None:
         return int(s) if s and s.isdigit() else None
