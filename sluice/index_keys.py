@@ -33,6 +33,10 @@ engine's hash seed):
 - `sluice:load:{pod}`       HASH  `waiting`, `running` (ints), `kv_usage` (0-1),
                                   `ts_ms`; short TTL: an expired entry = unknown.
 - `sluice:pool:{namespace}/{pool}:pods`  SET  pod ids gateways route to.
+- `sluice:epoch`            STR   a random id, set by the first gateway to find it
+                                  absent (SET NX). Another value than a gateway
+                                  knows means Redis lost its data (restarted
+                                  empty): the gateway re-syncs every pod.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ from typing import Any
 PREFIX = "sluice:"
 LOAD_FIELDS = ("waiting", "running", "kv_usage", "ts_ms")
 _SCAN_BATCH = 1000
+
+
+EPOCH_KEY = PREFIX + "epoch"
 
 
 def block_key(key: str) -> str:

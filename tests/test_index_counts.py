@@ -92,8 +92,11 @@ def test_shared_keys_against_a_model_through_resync_and_warming(srv, seed):
     index = PrefixIndex(LocalIndex(), RedisIndex.from_url(url, 1.0))
     m: dict[str, str] = {}
     seq = _feed(index, r, m, rng, 0, 150)
-    r.flushdb()  # Redis lost everything: re-synced from the local view
-    index.redis.resync(POD, seq - 1, 1000.0 + seq - 1, index.local.snapshot(POD), BS)
+    r.flushdb()  # Redis lost everything: noticed, and re-synced from the local view
+    index.apply(POD, seq, [], [], False, BS, ts=1000.0 + seq)
+    assert index.mode == "local" and r.get(ik.pod_seq_key(POD)) is None  # not applied
+    assert index.recover() and index.mode == "redis"
+    seq += 1
     _check(index, r, m)
     seq = _feed(index, r, m, rng, seq, 150)
     warmed = PrefixIndex(LocalIndex(), RedisIndex.from_url(url, 1.0))  # a restarted gateway

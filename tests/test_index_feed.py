@@ -11,19 +11,25 @@ from redis_server import RedisServer
 from sluice import index_keys as ik
 from sluice.engine.kv_publisher import KVEventPublisher
 from sluice.gateway.block_keys import request_keys
-from sluice.gateway.event_feed import EventFeeder, EventSource
+from sluice.gateway.event_feed import EventFeeder, EventSource, _PodState
 from sluice.gateway.local_index import LocalIndex
 from sluice.gateway.prefix_index import PrefixIndex
 from sluice.gateway.redis_index import RedisIndex
-from sluice.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from sluice.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    encode_batch,
+)
 
 BS = 4
 MODEL = "m"
 
 
-def stored(hashes, parent, tokens):
+def stored(hashes, parent, tokens, bs=BS):
     return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
-                       block_size=BS, lora_id=None, medium="GPU", lora_name=None)
+                       block_size=bs, lora_id=None, medium="GPU", lora_name=None)
 
 
 class Engine:
@@ -528,3 +534,103 @@ def test_lookups_that_redis_does_not_answer_in_time_use_the_local_view(srv):
         assert index.mode == "local"
     finally:
         srv.resume()
+
+
+def test_a_redis_that_lost_its_data_is_noticed_and_re_synced_while_idle(srv):
+    """Redis restarted empty and no batch comes: the feeder's epoch check finds the
+    loss and the replica rewrites the pod from its view."""
+    a = Engine("a:1", 1)
+    index = make_index(srv.port)
+    feeder = EventFeeder(index)
+    feeder.start()
+    r = redis.Redis(port=srv.port)
+    try:
+        feeder.add(a.source())
+        publish_until(a.pub, lambda: feeder.batches >= 1)
+        a.pub.publish([stored([a.h(0), a.h(1)], None, TOKENS[:8])])
+        wait_for(lambda: r.scard(ik.pod_keys_key("a:1")) == 2)
+        r.flushdb()
+        wait_for(lambda: r.scard(ik.pod_keys_key("a:1")) == 2 and index.mode == "redis")
+        assert hits(index, TOKENS, ["a:1"]) == {"a:1": 2}
+        a.pub.publish([stored([a.h(2)], a.h(1), TOKENS[8:12])])  # fed on top, as before
+        wait_for(lambda: r.scard(ik.pod_keys_key("a:1")) == 3)
+    finally:
+        feeder.stop()
+        a.pub.close()
+
+
+def test_a_replica_noticing_the_loss_after_another_rewrote_keeps_its_work(srv):
+    keys = request_keys(MODEL, BS, TOKENS)
+    first, second = make_index(srv.port), make_index(srv.port)
+    pairs = [(f"e{i}", k) for i, k in enumerate(keys[:3])]
+    for index in (first, second):
+        index.apply("a:1", 0, pairs, [], False, BS, ts=5.0)
+    r = redis.Redis(port=srv.port)
+    r.flushdb()
+    first.check_epoch()
+    assert first.mode == "local" and first.recover() and first.mode == "redis"
+    assert r.scard(ik.pod_keys_key("a:1")) == 3
+    second.apply("a:1", 1, [("e3", keys[3])], [], False, BS, ts=6.0)  # LOST: not applied
+    assert second.mode == "local" and r.get(ik.pod_seq_key("a:1")) == b"0"
+    assert second.recover() and r.scard(ik.pod_keys_key("a:1")) == 4
+
+
+def test_a_re_sync_keeps_every_replicas_speculative_entries(srv):
+    keys = request_keys(MODEL, BS, TOKENS)
+    rewriter, other = make_index(srv.port), make_index(srv.port)
+    rewriter.apply("a:1", 0, [("e0", keys[0])], [], False, BS, ts=5.0)
+
+    async def go():
+        other.speculate("a:1", keys, ttl_ms=60_000)
+        await asyncio.sleep(other.flush_after_s + 0.2)
+
+    LOOP.run_until_complete(go())
+    redis.Redis(port=srv.port).delete(ik.pod_seq_key("a:1"))  # so the re-sync is due
+    assert rewriter.redis.resync("a:1", 0, 5.0, rewriter.local.snapshot("a:1"), BS)
+    other.local.clear("a:1")  # only Redis may answer now
+    assert hits(other, TOKENS, ["a:1"]) == {"a:1": len(keys)}
+
+
+def test_a_partial_view_is_merged_into_redis_not_written_over_it(srv):
+    """A replica whose warm-up from Redis failed feeds on from a later batch: its view
+    lacks the pod's earlier entries, so its re-sync adds to Redis's."""
+    keys = request_keys(MODEL, BS, TOKENS)
+    fed = make_index(srv.port)
+    for i in range(3):
+        fed.apply("a:1", i, [(f"e{i}", keys[i])], [], False, BS, ts=5.0 + i)
+    late = make_index(srv.port)
+    feeder = EventFeeder(late)
+    state = _PodState(EventSource("a:1", MODEL, "tcp://127.0.0.1:1", None), None, None)
+
+    def fails(pod):
+        raise redis.exceptions.TimeoutError("slow")
+
+    late.redis.load_hashes = fails
+    feeder._catch_up_new(state)  # position read, entries not: replays from 0 (none here)
+    assert late.mode == "local" and state.last_seq == -1
+    batch = KVEventBatch(ts=8.0, events=[stored([103], None, TOKENS[12:16])])
+    feeder._on_live(state, [b"t", (3).to_bytes(8, "big"), encode_batch(batch)])
+    assert late.recover()
+    r = redis.Redis(port=srv.port)
+    assert r.scard(ik.pod_keys_key("a:1")) == 4 and r.get(ik.pod_seq_key("a:1")) == b"3"
+
+
+def test_a_skipped_batch_is_no_engine_restart():
+    a = Engine("a:1", 1)
+    index = make_index(None)
+    feeder = EventFeeder(index)
+    state = _PodState(a.source(), None, feeder._replay_socket(a.source()))
+    try:
+        a.pub.publish([stored([a.h(0)], None, TOKENS[:4])])
+        a.pub.publish([stored([a.h(1)], a.h(0), TOKENS[4:8])])
+        a.pub.publish([stored([a.h(9)], None, [7] * 4, bs=0)])  # untranslatable
+        wait_for(lambda: feeder._catch_up(state) is None and state.last_seq == 2)
+        a.pub.publish([stored([a.h(2)], a.h(1), TOKENS[8:12])])  # seq 3: missed live
+        last = KVEventBatch(ts=time.time(), events=[stored([a.h(3)], a.h(2), TOKENS[12:16])])
+        a.pub.publish(last.events)
+        time.sleep(0.1)
+        feeder._on_live(state, [b"t", (4).to_bytes(8, "big"), encode_batch(last)])  # a gap
+        assert feeder.restarts == 0 and index.local.lookup(
+            request_keys(MODEL, BS, TOKENS), ["a:1"], 0) == {"a:1": 4}
+    finally:
+        a.pub.close()

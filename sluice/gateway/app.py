@@ -96,6 +96,8 @@ class Gateway:
         self.proxy = Proxy(cfg.proxy, self.http, self.health, self.metrics,
                            self.registry.url_of, flight)
         self.registry.on_remove.append(self.metrics.forget_pod)
+        self.index.on_mode_change.append(  # back from an outage or a loss of Redis's data
+            lambda mode: mode == "redis" and self.registry.register_all())
         self.scraper = LoadScraper(self.loads, self.redis, self.registry.active, self.http,
                                    cfg.scrape_interval_s)
         self._tasks: list[asyncio.Task] = []

@@ -40,7 +40,7 @@ import zmq
 
 from sluice.gateway.event_replay import batch_ts, read_replay
 from sluice.gateway.prefix_index import PrefixIndex
-from sluice.gateway.translate import translate
+from sluice.gateway.translate import Translated, translate
 from sluice.kv_events import decode_batch
 
 log = logging.getLogger("sluice.gateway.events")
@@ -118,10 +118,13 @@ class EventFeeder:
                 self.errors += 1
                 log.exception("kv-event feeder: error (continuing)")
                 self._stop.wait(0.05)
-            if self.index.mode == "local" and time.monotonic() >= next_recover:
+            if time.monotonic() >= next_recover:  # Redis back, or lost its data
                 next_recover = time.monotonic() + self.recover_every_s
                 try:
-                    self.index.recover()
+                    if self.index.mode == "local":
+                        self.index.recover()
+                    else:
+                        self.index.check_epoch()
                 except Exception:  # noqa: BLE001
                     self.errors += 1
                     log.exception("kv-event feeder: index recovery failed (retrying)")
@@ -208,8 +211,7 @@ class EventFeeder:
 
     def _catch_up_new(self, state: _PodState) -> None:
         stored = self.index.stored_position(state.source.pod)
-        if stored is not None:
-            self.index.warm_from_redis(state.source.pod, *stored)
+        if stored is not None and self.index.warm_from_redis(state.source.pod, *stored):
             state.last_seq, state.last_ts = stored
         self._catch_up(state)
 
@@ -288,7 +290,9 @@ class EventFeeder:
             batch = decode_batch(payload)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as err:
             log.warning("%s: undecodable event batch %d: %s", state.source.pod, seq, err)
-            state.last_seq = seq
+            # skipped; its time is unknown, so no later catch-up compares against it
+            state.last_seq, state.last_ts = seq, 0.0
+            self.index.mark_partial(state.source.pod)
             return
         pod = state.source.pod
         try:
@@ -296,9 +300,12 @@ class EventFeeder:
         except (ValueError, TypeError, OverflowError, AssertionError) as err:
             self.errors += 1
             log.warning("%s: event batch %d skipped: %s", pod, seq, err)
-            state.last_seq = seq  # a bad batch is skipped once, not replayed forever
-            return
-        self.index.apply(pod, seq, t.stored, t.removed, t.cleared, t.block_size, batch.ts)
+            # skipped once, not replayed forever: applied as empty, so the position
+            # (here and in Redis) is that batch's and a later catch-up compares its time
+            t = Translated()
+            self.index.mark_partial(pod)
+        self.index.apply(pod, seq, t.stored, t.removed, t.cleared, t.block_size, batch.ts,
+                         complete=seq == state.last_seq + 1)
         state.last_seq, state.last_ts = seq, batch.ts
         self.batches += 1
         self.blocks += len(t.stored) + len(t.removed)

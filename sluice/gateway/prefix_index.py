@@ -7,7 +7,13 @@ routing on the local view, and marks every pod for re-sync; `recover()` (run
 by the event feeder between batches) pings Redis and, once it answers,
 rewrites each pod's entries in Redis from the local view at the pod's last
 applied sequence number (unless Redis holds as much: `redis_rewrite`), then
-switches back.
+switches back. A pod whose local view may lack entries (its feed started past
+the engine's first batch, had a gap the engine's replay could not fill, or
+skipped a batch) is merged into Redis instead: its view's entries are added,
+none removed, since Redis may hold what the view missed. A Redis that lost its data (restarted empty: its epoch key,
+`index_keys.EPOCH_KEY`, is gone or another) is treated as an outage: the loss
+shows in the next batch's APPLY or within `recover_every_s` (`check_epoch`),
+and the recovery rewrites every pod from the local view.
 """
 
 from __future__ import annotations
@@ -60,6 +66,8 @@ class PrefixIndex:
         # pods that restarted while Redis was down: their purge guard (see restarted)
         self._restarted_later: dict[str, tuple[float, tuple[int, float]]] = {}
         self._block_size: dict[str, int] = {}
+        self._partial: set[str] = set()  # pods whose local view may lack entries
+        self._epoch: str | None = None  # Redis's epoch this replica fed (None: not read yet)
         self.on_mode_change: list[Any] = []
 
     def block_size(self, pod: str) -> int | None:
@@ -85,10 +93,16 @@ class PrefixIndex:
 
     # -- feeder thread -------------------------------------------------------------------
     def apply(self, pod: str, seq: int, stored: list[tuple[str, str]], removed: list[str],
-              cleared: bool, block_size: int | None, ts: float = 0.0) -> None:
-        """Apply one event batch of `pod` (already translated to request keys)."""
+              cleared: bool, block_size: int | None, ts: float = 0.0,
+              complete: bool = True) -> None:
+        """Apply one event batch of `pod` (already translated to request keys);
+        `complete`: it follows the pod's last applied batch (or is its engine's
+        first), so the view holds every batch so far unless one was missed before."""
         if cleared:
             self.local.clear(pod)
+            self._partial.discard(pod)  # (the view starts again from this batch)
+        elif not complete:
+            self.mark_partial(pod)
         if stored:
             self.local.store(pod, stored)
         if removed:
@@ -99,21 +113,53 @@ class PrefixIndex:
         if self.redis is None or self._degraded:
             return
         try:
+            if self._epoch is None:
+                self._epoch = self.redis.epoch()
             ops = encode_ops(stored, removed, cleared, block_size)
-            if self.redis.apply(pod, seq, ops, ts) is Outcome.RESYNC:
+            outcome = self.redis.apply(pod, seq, ops, ts, self._epoch)
+            if outcome is Outcome.RESYNC:
                 log.warning("%s: a rewrite of its entries in redis was abandoned half-way: "
                             "re-syncing them", pod)
                 self._resync(pod)
+            elif outcome is Outcome.LOST:
+                self._lost()
         except RedisError as err:
             self._degrade(err)
 
+    def check_epoch(self) -> None:
+        """(Feeder thread, while in redis mode) notice a Redis that lost its data
+        even when no event batch comes to show it."""
+        if self.redis is None or self._degraded:
+            return
+        try:
+            epoch = self.redis.epoch()
+        except RedisError as err:
+            self._degrade(err)
+            return
+        if self._epoch is None:
+            self._epoch = epoch
+        elif epoch != self._epoch:
+            self._lost()
+
+    def _lost(self) -> None:
+        self._degrade(RedisError("redis lost the index (restarted empty?): every pod is "
+                                 "re-synced from this replica's view"))
+
+    def mark_partial(self, pod: str) -> None:
+        """The pod's view missed some of its batches (see the module docstring)."""
+        if pod not in self._partial:
+            self._partial.add(pod)
+            log.warning("%s: its local view missed event batches: a re-sync will add its "
+                        "entries to redis, not replace them", pod)
+
     def _resync(self, pod: str) -> bool:
         """Rewrite the pod's entries in Redis from the local view unless Redis is as
-        current (`RedisIndex.resync`). True if rewritten."""
+        current (`RedisIndex.resync`); merge them in when the view is partial. True
+        if written."""
         assert self.redis is not None
         seq, ts = self._position[pod]
         return self.redis.resync(pod, seq, ts, self.local.snapshot(pod),
-                                 self._block_size.get(pod))
+                                 self._block_size.get(pod), merge=pod in self._partial)
 
     def forget_pod(self, pod: str, gone: bool = True) -> None:
         """Drop the pod's index entries everywhere: it is gone (its registration,
@@ -124,6 +170,7 @@ class PrefixIndex:
         the pod may have been registered again meanwhile."""
         self.local.clear(pod)
         self._position.pop(pod, None)
+        self._partial.discard(pod)
         self._restarted_later.pop(pod, None)
         if self.redis is None:
             return
@@ -147,6 +194,7 @@ class PrefixIndex:
         then is re-synced instead."""
         self.local.clear(pod)
         self._position.pop(pod, None)
+        self._partial.discard(pod)
         if self.redis is None:
             return
         if not self._degraded:
@@ -178,18 +226,22 @@ class PrefixIndex:
             self._degrade(err)
             return None
 
-    def warm_from_redis(self, pod: str, seq: int, ts: float) -> None:
+    def warm_from_redis(self, pod: str, seq: int, ts: float) -> bool:
         """Load the pod's entries, applied up to batch `seq` (of time `ts`), from Redis
-        into the local view (gateway restart)."""
+        into the local view (gateway restart). False if they could not be read: the
+        caller replays the engine from 0 instead (a view that missed them must not
+        count as at `seq`, or a re-sync would write it over Redis's)."""
         if self.redis is None or self._degraded:
-            return
+            return False
         try:
             hashes = self.redis.load_hashes(pod)
         except RedisError as err:
             self._degrade(err)
-            return
+            return False
         self.local.store(pod, list(hashes.items()))
         self._position[pod] = (seq, ts)
+        self._partial.discard(pod)
+        return True
 
     def recover(self) -> bool:
         """If degraded and Redis answers again: re-sync every pod, back to redis mode."""
@@ -197,6 +249,7 @@ class PrefixIndex:
             return False
         try:
             self.redis.sync.ping()
+            self._epoch = self.redis.epoch()
             self._purge_pending()
             rewritten = sum(self._resync(pod) for pod in list(self._position))
         except RedisError:

@@ -6,7 +6,10 @@ with several gateway replicas each applying every engine's events, each batch
 is applied once and in order. A pod being rewritten (`redis_rewrite`) is
 fenced: feed batches are refused while its rewriter's lease lasts (it applies
 them itself when it feeds on from its rewrite), and answered `RESYNC` once the
-lease has lapsed (the rewriter died half-way: the caller rewrites the pod).
+lease has lapsed (the rewriter died half-way: the caller rewrites the pod). A
+feed batch carries the Redis epoch its replica knows (`index_keys.EPOCH_KEY`):
+another one there means Redis lost the data the replica fed it (`LOST`), and
+the batch is not applied on top of the loss.
 """
 
 from __future__ import annotations
@@ -24,12 +27,14 @@ assert ik.block_key("K") == P + "blk:K" and ik.pod_keys_key("X") == P + "pod:X:k
 assert ik.pod_hashes_key("X") == P + "pod:X:ehash" and ik.pod_key_dups_key("X") == P + "pod:X:kdup"
 assert ik.pod_seq_key("X") == P + "pod:X:seq" and ik.pod_ts_key("X") == P + "pod:X:ts"
 assert ik.pod_meta_key("X") == P + "pod:X:meta" and ik.pod_sync_key("X") == P + "pod:X:sync"
+assert ik.EPOCH_KEY == P + "epoch"
 
 
 class Outcome(enum.IntEnum):
     REFUSED = 0   # already applied (stale seq), fenced by a rewrite, or a lost fence
     APPLIED = 1
     RESYNC = 2    # the pod's rewrite was abandoned half-way: rewrite it
+    LOST = 3      # Redis's epoch is not the replica's: it lost its data
 
 
 # Fence leases are on Redis's clock, so replicas' clocks need not agree. TIME is
@@ -44,10 +49,11 @@ end
 """
 
 # ARGV: prefix, pod, seq, ops = msgpack [cleared 0|1, block_size|0, stored fields,
-# stored keys, removed fields], batch ts, owner, lease_ms. Effects are applied
+# stored keys, removed fields], batch ts, owner, lease_ms[, epoch]. Effects are applied
 # in that order (clear, store, remove). owner '': a feed batch (seq >= 0, sets the
 # pod's seq and ts); else a rewrite chunk, applied only under that owner's fence
-# (whose lease it renews), seq and ts untouched.
+# (whose lease it renews), seq and ts untouched. epoch (feed batches; absent or '':
+# not checked): the replica's Redis epoch.
 # Counts: a key is in `keys` (and the pod in its `blk`) while at least one engine hash
 # maps to it; `kdup` counts the others (see index_keys). A field stored again with
 # the same key changes nothing; with another key it moves from the old key to it.
@@ -58,6 +64,8 @@ local fence = redis.call('HMGET', base..'sync', 'owner', 'until')
 if owner ~= '' then
   if fence[1] ~= owner then return 0 end
   redis.call('HSET', base..'sync', 'until', server_now_ms() + tonumber(ARGV[7]))
+elseif (ARGV[8] or '') ~= '' and redis.call('GET', P..'epoch') ~= ARGV[8] then
+  return 3
 elseif fence[1] then
   if tonumber(fence[2]) > server_now_ms() then return 0 end
   return 2

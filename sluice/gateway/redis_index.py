@@ -23,6 +23,8 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from sluice import index_keys as ik
 from sluice.gateway.redis_apply import APPLY, P, Outcome
 from sluice.gateway.redis_rewrite import PodRewriter
@@ -135,10 +137,21 @@ class RedisIndex:
                    RespClient(url, timeout_s=timeout_s, health_check_interval_s=10),
                    lease_ms)
 
-    def apply(self, pod: str, seq: int, ops: bytes, ts: float = 0.0) -> Outcome:
-        """Apply feed batch `seq` (>= 0) of `pod`, unless stale or fenced."""
+    def apply(self, pod: str, seq: int, ops: bytes, ts: float = 0.0, epoch: str = "") -> Outcome:
+        """Apply feed batch `seq` (>= 0) of `pod`, unless stale, fenced or Redis's
+        epoch is not `epoch` (LOST; '': not checked)."""
         assert seq >= 0, seq
-        return Outcome(self._apply(args=[P, pod, seq, ops, repr(float(ts)), "", 0]))
+        return Outcome(self._apply(args=[P, pod, seq, ops, repr(float(ts)), "", 0, epoch]))
+
+    def epoch(self) -> str:
+        """Redis's epoch (`index_keys.EPOCH_KEY`), set to a new random id if absent."""
+        pipe = self.sync.pipeline(transaction=False)
+        pipe.set(ik.EPOCH_KEY, uuid.uuid4().hex, nx=True)
+        pipe.get(ik.EPOCH_KEY)
+        value = pipe.execute()[1]
+        if value is None:
+            raise RedisError("redis dropped the epoch key it was just given")
+        return _s(value)
 
     def stored_position(self, pod: str) -> tuple[int, float] | None:
         """(seq, ts) of the pod's last applied batch; ts 0.0 when unknown. None also
@@ -156,11 +169,11 @@ class RedisIndex:
         return {_s(f): _s(k) for f, k in self.sync.hgetall(ik.pod_hashes_key(pod)).items()}
 
     def resync(self, pod: str, seq: int, ts: float, hashes: dict[str, str],
-               block_size: int | None) -> bool:
-        """Replace the pod's entries with `hashes` (the local view) at batch `seq`
-        (`ts`), unless Redis's position covers it or another replica is rewriting
-        the pod. True if rewritten."""
-        return self._rewriter.resync(pod, seq, ts, hashes, block_size)
+               block_size: int | None, merge: bool = False) -> bool:
+        """Replace the pod's entries with `hashes` (the local view; with `merge`, add
+        them) at batch `seq` (`ts`), unless Redis's position covers it or another
+        replica is rewriting the pod. True if written."""
+        return self._rewriter.resync(pod, seq, ts, hashes, block_size, merge)
 
     def purge_restarted(self, pod: str, last_ts: float, seen: tuple[int, float]) -> bool:
         """Drop the entries of a restarted engine unless Redis already holds its new

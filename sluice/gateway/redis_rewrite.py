@@ -16,7 +16,8 @@ Protocol (each step one Lua script, so each is atomic):
    It is skipped too while another replica's lease lasts (that one rewrites).
    A lapsed fence (its owner died half-way) is taken over whatever the position:
    the entries are half rewritten.
-2. PURGE steps pop the pod's keys 1000 at a time, then drop its hashes.
+2. PURGE steps pop the pod's keys 1000 at a time, then drop its hashes (not its
+   speculative entries: the replicas' routing decisions stand).
 3. Chunks of the view are written by APPLY under the fence.
 4. RELEASE sets the pod's (seq, ts) to the replica's position (a restart purge:
    none, so the new incarnation's batches from 0 apply) and drops the fence.
@@ -78,8 +79,8 @@ redis.call('HSET', base..'sync', 'until', server_now_ms() + tonumber(ARGV[4]))
 local popped = redis.call('SPOP', base..'keys', 1000)
 for _, k in ipairs(popped) do redis.call('SREM', P..'blk:'..k, pod) end
 if #popped > 0 then return 1 end
-redis.call('DEL', base..'ehash', base..'kdup', base..'spec')
-return 0
+redis.call('DEL', base..'ehash', base..'kdup')  -- (speculative entries stay: routing
+return 0                                           -- decisions, of every replica)
 """
 
 # ARGV: prefix, pod, owner, seq (-1: none), ts -> 1: done, 0: not the fence's owner.
@@ -110,12 +111,13 @@ class PodRewriter:
         self._release = sync_client.register_script(RELEASE)
 
     def resync(self, pod: str, seq: int, ts: float, hashes: dict[str, str],
-               block_size: int | None) -> bool:
+               block_size: int | None, merge: bool = False) -> bool:
         """Replace the pod's entries with `hashes` at position (`seq`, `ts`), unless
-        Redis's position covers it. True if rewritten."""
+        Redis's position covers it; with `merge`, add them to the pod's entries
+        (no PURGE: `hashes` may lack some that Redis holds). True if written."""
         assert seq >= 0
         return self._rewrite(pod, ["resync", seq, repr(float(ts))], hashes, block_size,
-                             seq, ts)
+                             seq, ts, purge=not merge)
 
     def purge_restarted(self, pod: str, last_ts: float, seen: tuple[int, float]) -> bool:
         """The engine restarted, shown by batch `seen` (seq, ts) of its new
@@ -126,14 +128,14 @@ class PodRewriter:
                                    repr(float(seen[1]))], {}, None, -1, 0.0)
 
     def _rewrite(self, pod: str, guard: list[Any], hashes: dict[str, str],
-                 block_size: int | None, seq: int, ts: float) -> bool:
+                 block_size: int | None, seq: int, ts: float, purge: bool = True) -> bool:
         """The protocol above: False when CLAIM skips it or the fence was lost."""
         if not self._claim(args=[P, pod, self.owner, self.lease_ms, *guard]):
             return False
-        while (step := self._purge_step(args=[P, pod, self.owner, self.lease_ms])) == 1:
-            pass
-        if step < 0:
-            return False
+        while purge and (step := self._purge_step(
+                args=[P, pod, self.owner, self.lease_ms])) != 0:
+            if step < 0:
+                return False
         items = list(hashes.items())
         for start in range(0, max(len(items), 1), CHUNK):
             ops = encode_ops(items[start:start + CHUNK], [], False,

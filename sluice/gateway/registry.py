@@ -124,6 +124,19 @@ class PodRegistry:
             except Exception as err:  # noqa: BLE001 -- Redis down: meta is best effort
                 log.warning("could not register %s in redis: %s", ep.pod, err)
 
+    def register_all(self) -> None:
+        """Write every known pod's registration to Redis again (after Redis lost its
+        data). Thread-safe: called from the event feeder's thread."""
+        if self.redis is None:
+            return
+        for pod, models in list(self._models.items()):
+            ep = self._endpoints.get(pod)
+            if ep is not None:
+                try:
+                    self.redis.register_pod(pod, ep.namespace, ep.pool, models[0])
+                except Exception as err:  # noqa: BLE001 -- best effort, as at activation
+                    log.warning("could not register %s in redis: %s", pod, err)
+
     def _forget_index(self, pod: str, gone: bool = True) -> None:
         """Unsubscribe from the pod's events and drop its index entries everywhere
         (with its registration when it is `gone`)."""
