@@ -347,3 +347,14 @@ def test_speculative_entries_last_while_the_prefill_outlasts_their_ttl():
             assert second.headers["x-sluice-prefix-hit-blocks"] == "4"
             assert second.headers["x-sluice-pod"] == first.headers["x-sluice-pod"]
             assert flight.inflight == {} and flight.pending_prefill == {}
+
+
+def test_a_salted_request_is_routed_on_its_own_keys():
+    with Server(fake_engine("ok", {})) as up, \
+            Server(gateway_app([(up, "m")], strategy="kv_aware")) as gw:
+        body = {"model": "m", "prompt": list(range(70))}
+        assert post(gw.url, body).headers["x-sluice-prefix-hit-blocks"] == "0"
+        assert post(gw.url, body).headers["x-sluice-prefix-hit-blocks"] == "4"
+        salted = {**body, "cache_salt": "tenant-b"}
+        assert post(gw.url, salted).headers["x-sluice-prefix-hit-blocks"] == "0"
+        assert post(gw.url, salted).headers["x-sluice-prefix-hit-blocks"] == "4"

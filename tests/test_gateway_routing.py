@@ -249,3 +249,24 @@ def test_the_block_size_of_a_pods_events_is_used_before_any_scrape():
     gw.index.apply("p2:1", 0, [(f"h{i}", k) for i, k in enumerate(keys)], [], False, 32)
     d = asyncio.run(gw.router.route("m", PROMPT, PODS))
     assert (d.pod, d.hit_blocks, d.total_blocks) == ("p2:1", 5, 5)
+
+
+def test_a_salted_request_never_counts_blocks_cached_under_another_salt():
+    router, index = make(loads={"p1:1": (10, 0, 0.1)})
+    hold(index, "p1:1", 10)  # this prompt, unsalted (events carry no salt)
+    assert route(router).pod == "p1:1"
+    first = asyncio.run(router.route("m", PROMPT, PODS, cache_salt="tenant-b"))
+    assert first.pod != "p1:1" and first.hit_blocks == 0
+    again = asyncio.run(router.route("m", PROMPT, PODS, cache_salt="tenant-b"))
+    assert (again.pod, again.hit_blocks) == (first.pod, 10)  # its own decisions stick
+
+
+def test_a_request_naming_an_alias_finds_blocks_keyed_by_the_pods_first_name():
+    index = PrefixIndex(LocalIndex(), None)
+    table = LoadTable(ttl_ms=10_000)
+    router = Router(RoutingConfig(strategy="kv_aware"), index, LocalIndex(), table,
+                    lambda p: True, lambda p: 0, lambda p: 16, lambda p: 0,
+                    key_model_of=lambda p: "m")  # each pod serves "m" and "alias"
+    hold(index, "p2:1", 10)  # keyed by "m", as its events are
+    d = asyncio.run(router.route("alias", PROMPT, PODS))
+    assert (d.pod, d.hit_blocks) == ("p2:1", 10)

@@ -92,7 +92,8 @@ class Gateway:
                              self.health.is_healthy, lambda p: flight.inflight.get(p, 0),
                              # the events' block size: the index's keys were made with it
                              lambda p: self.index.block_size(p) or self.registry.block_size_of(p),
-                             lambda p: flight.pending_prefill.get(p, 0))
+                             lambda p: flight.pending_prefill.get(p, 0),
+                             self.registry.key_model)
         self.proxy = Proxy(cfg.proxy, self.http, self.health, self.metrics,
                            self.registry.url_of, flight)
         self.registry.on_remove.append(self.metrics.forget_pod)
@@ -153,10 +154,11 @@ class Gateway:
                 self.metrics.errors.labels("tokenize").inc()
                 log.debug("tokenization failed (%s); routing without prefix", err)
         routed: list[Decision] = []
+        salt = data.get("cache_salt")
 
         async def route(exclude: frozenset[str]) -> Decision | None:
             d = await self.router.route(model, token_ids or [], self.registry.pods_for(model),
-                                        exclude)
+                                        exclude, salt if isinstance(salt, str) else None)
             if d is not None:
                 if not routed:
                     self.metrics.route_seconds.observe(time.perf_counter() - started)

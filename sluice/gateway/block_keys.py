@@ -18,6 +18,14 @@ from functools import lru_cache
 import numpy as np
 
 
+def key_seed(model: str, cache_salt: str | None = None) -> str:
+    """The name a request's keys are seeded with. A request with a `cache_salt` gets
+    keys of its own: engines do not reuse blocks across salts, and KV events do not
+    carry the salt, so such a request's hits come only from routing decisions
+    (speculative entries), never from a pod holding the tokens under another salt."""
+    return f"{model}\x00cache_salt\x00{cache_salt}" if cache_salt else model
+
+
 @lru_cache(maxsize=256)
 def root_key(model: str, block_size: int) -> bytes:
     """8-byte seed of the chain for one model and block size."""

@@ -48,6 +48,11 @@ class PodRegistry:
     def pods_for(self, model: str) -> list[str]:
         return [p for p, models in self._models.items() if model in models]
 
+    def key_model(self, pod: str) -> str | None:
+        """The model name the pod's KV events are keyed with (its first served name)."""
+        models = self._models.get(pod)
+        return models[0] if models else None
+
     def serves(self, model: str) -> bool:
         return any(model in models for models in self._models.values())
 

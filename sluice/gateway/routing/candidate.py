@@ -11,6 +11,7 @@ class Candidate:
     hit_blocks: int = 0              # leading prompt blocks the pod would reuse (predicted)
     total_blocks: int = 0            # full blocks in the prompt (for that pod's block size)
     block_size: int = 16             # the pod's, in tokens
+    key_group: tuple[str, int] = ("", 16)  # (key seed, block size) of its request keys
     prompt_tokens: int = 0
     waiting: float | None = None     # None: no fresh load entry (unknown)
     running: float | None = None

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sluice.gateway.block_keys import request_keys
+from sluice.gateway.block_keys import key_seed, request_keys
 from sluice.gateway.load import LoadTable
 from sluice.gateway.local_index import LocalIndex
 from sluice.gateway.prefix_index import PrefixIndex
@@ -61,7 +61,11 @@ class Router:
                  loads: LoadTable, is_healthy: Callable[[str], bool],
                  inflight: Callable[[str], int],
                  block_size_of: Callable[[str], int | None],
-                 pending_prefill: Callable[[str], int] = lambda pod: 0) -> None:
+                 pending_prefill: Callable[[str], int] = lambda pod: 0,
+                 key_model_of: Callable[[str], str | None] = lambda pod: None) -> None:
+        """`key_model_of(pod)`: the model name the pod's KV events are keyed with (its
+        first served name; None: the request's), so a request naming another of
+        the pod's names (an alias) hashes its prompt alike."""
         assert cfg.strategy != "kv_aware" or index is not None
         self.cfg = cfg
         self.index = index
@@ -70,6 +74,7 @@ class Router:
         self.inflight = inflight
         self.pending_prefill = pending_prefill
         self.block_size_of = block_size_of
+        self.key_model_of = key_model_of
         self.healthy = HealthyFilter(is_healthy)
         self.soft_filters = [UnknownLoadFilter(), KVCeilingFilter(), ImbalanceGate()]
         self.picker = MaxScorePicker(cfg.seed)
@@ -85,7 +90,8 @@ class Router:
         return self.index.mode if self.index is not None else "none"
 
     async def route(self, model: str, token_ids: list[int], pods: list[str],
-                    exclude: frozenset[str] = frozenset()) -> Decision | None:
+                    exclude: frozenset[str] = frozenset(),
+                    cache_salt: str | None = None) -> Decision | None:
         """Choose a pod for a prompt, or None when no healthy pod is left."""
         strategy = self.cfg.strategy
         cands = self.healthy([Candidate(p) for p in pods if p not in exclude], self.cfg)
@@ -94,14 +100,15 @@ class Router:
         if strategy == "round_robin":
             pod = cands[next(self._rr) % len(cands)].pod
             return Decision(pod, strategy, 0, 0, self.index_mode(), "round robin")
-        keys_by_size: dict[int, list[str]] = {}
+        keys_by: dict[tuple[str, int], list[str]] = {}
         for c in cands:
             bs = c.block_size = self.block_size_of(c.pod) or self.cfg.default_block_size
-            if bs not in keys_by_size:
-                keys_by_size[bs] = request_keys(model, bs, token_ids)
-            c.total_blocks = len(keys_by_size[bs])
+            group = c.key_group = (key_seed(self.key_model_of(c.pod) or model, cache_salt), bs)
+            if group not in keys_by:
+                keys_by[group] = request_keys(group[0], bs, token_ids)
+            c.total_blocks = len(keys_by[group])
             c.prompt_tokens = len(token_ids)
-        shared_loads = await self._fill_hits(strategy, cands, keys_by_size)
+        shared_loads = await self._fill_hits(strategy, cands, keys_by)
         now = time.time() * 1000.0
         loads = shared_loads
         if loads is None or any(c.pod not in loads for c in cands):
@@ -120,7 +127,7 @@ class Router:
         scores = weighted(cands, self.parts[strategy])
         cold = max(c.hit_blocks for c in cands) == 0
         chosen = self.picker(cands, scores, self.cfg.cold_spread if cold else 1e-9)
-        spec_keys = self._remember(strategy, chosen, keys_by_size)
+        spec_keys = self._remember(strategy, chosen, keys_by)
         reason = "cold spread" if cold else "prefix+load"
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route %s -> %s (%s): %s", strategy, chosen.pod, reason, ", ".join(
@@ -132,14 +139,14 @@ class Router:
                         self.index_mode(), reason, spec_keys, chosen.uncached_tokens)
 
     async def _fill_hits(self, strategy: str, cands: list[Candidate],
-                         keys_by_size: dict[int, list[str]]
+                         keys_by: dict[tuple[str, int], list[str]]
                          ) -> dict[str, dict[str, float]] | None:
         shared: dict[str, dict[str, float]] | None = None
         if strategy not in ("prefix", "kv_aware"):
             return None
-        for bs, keys in keys_by_size.items():
-            group = [c for c in cands
-                     if (self.block_size_of(c.pod) or self.cfg.default_block_size) == bs]
+        for key_group, keys in keys_by.items():
+            bs = key_group[1]
+            group = [c for c in cands if c.key_group == key_group]
             pods = [c.pod for c in group]
             held: dict[str, int] = {}
             if strategy == "kv_aware":
@@ -158,10 +165,9 @@ class Router:
         return shared
 
     def _remember(self, strategy: str, chosen: Candidate,
-                  keys_by_size: dict[int, list[str]]) -> tuple[str, ...]:
+                  keys_by: dict[tuple[str, int], list[str]]) -> tuple[str, ...]:
         """Record the decision; the keys written as speculative entries."""
-        bs = self.block_size_of(chosen.pod) or self.cfg.default_block_size
-        keys = keys_by_size[bs]
+        keys = keys_by[chosen.key_group]
         if strategy == "prefix":
             self.history.add_speculative(chosen.pod, keys,
                                          time.time() * 1000.0 + self.cfg.history_ttl_ms)
