@@ -270,3 +270,18 @@ def test_a_request_naming_an_alias_finds_blocks_keyed_by_the_pods_first_name():
     hold(index, "p2:1", 10)  # keyed by "m", as its events are
     d = asyncio.run(router.route("alias", PROMPT, PODS))
     assert (d.pod, d.hit_blocks) == ("p2:1", 10)
+
+
+def test_the_gateway_cli_sets_health_and_flush_knobs():
+    import argparse
+
+    from sluice.gateway import cli
+    from sluice.gateway.app import GATEWAY
+
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    app = cli.build(p.parse_args(["--engine", "http://127.0.0.1:1,model=m", "--max-failures", "5",
+                                  "--probe-interval", "0.5", "--speculative-flush-ms", "25"]))
+    gw = app.state[GATEWAY]
+    assert (gw.health.max_failures, gw.health.probe_interval_s) == (5, 0.5)
+    assert gw.index.flush_after_s == 0.025

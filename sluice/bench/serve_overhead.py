@@ -154,6 +154,9 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=200.0)
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--routing", default="kv_aware")
+    p.add_argument("--gateway-arg", action="append", default=[],
+                   help="extra `sluice gateway` argument (repeatable, e.g. "
+                        "--gateway-arg=--speculative-flush-ms=50)")
     p.add_argument("--fake-upstream", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.fake_upstream:
@@ -178,7 +181,7 @@ def main() -> int:
             sys.executable, "-m", "sluice.cli", "gateway", "--port", str(gw_port),
             "--host", "127.0.0.1", "--engine", f"{up},model=m", "--routing", args.routing,
             "--redis-url", f"redis://127.0.0.1:{redis_port}/0", "--tokenizer",
-            resolve_model("default"), "--log-level", "warning"]))
+            resolve_model("default"), "--log-level", "warning", *args.gateway_arg]))
         _wait(gw + "/health")
         maker = TextMaker(random.Random(0))
         prompts = [maker.text(200) for _ in range(args.requests)]

@@ -35,12 +35,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name),
                        help=help_text)
     p.add_argument("--speculative-ttl-ms", type=int, default=d.speculative_ttl_ms)
+    p.add_argument("--speculative-flush-ms", type=float, default=10.0,
+                   help="routing decisions of this long are written to Redis in one call "
+                        "(other replicas see them that much later; this one at once)")
     p.add_argument("--block-size", type=int, default=d.default_block_size,
                    help="block size assumed until an engine reports its own")
     p.add_argument("--max-body-bytes", type=int, default=10 * 1024 * 1024)
     p.add_argument("--max-retries", type=int, default=2)
     p.add_argument("--connect-timeout", type=float, default=2.0)
     p.add_argument("--read-timeout", type=float, default=300.0)
+    p.add_argument("--max-failures", type=int, default=3,
+                   help="consecutive failures that mark a pod unhealthy until a probe passes")
+    p.add_argument("--probe-interval", type=float, default=1.0,
+                   help="seconds between /health probes of unhealthy pods")
     p.add_argument("--scrape-interval", type=float, default=0.15)
     p.add_argument("--load-ttl-ms", type=int, default=1000)
     p.add_argument("--forget-pod-after", type=float, default=30.0,
@@ -66,6 +73,8 @@ def build(args: argparse.Namespace):
                                           args.read_timeout),
                         max_body_bytes=args.max_body_bytes,
                         scrape_interval_s=args.scrape_interval, load_ttl_ms=args.load_ttl_ms,
+                        max_failures=args.max_failures, probe_interval_s=args.probe_interval,
+                        speculative_flush_ms=args.speculative_flush_ms,
                         forget_pod_after_s=args.forget_pod_after)
     if args.discovery == "kubernetes":
         from sluice.gateway.k8s_discovery import KubernetesDiscovery
