@@ -634,3 +634,15 @@ def test_a_skipped_batch_is_no_engine_restart():
             request_keys(MODEL, BS, TOKENS), ["a:1"], 0) == {"a:1": 4}
     finally:
         a.pub.close()
+
+
+def test_local_reads_route_on_the_replicas_view_and_still_write_redis(srv):
+    keys = request_keys(MODEL, BS, TOKENS)
+    other = make_index(srv.port)
+    other.apply("b:2", 0, [(f"e{i}", k) for i, k in enumerate(keys[:3])], [], False, BS, 5.0)
+    reader = PrefixIndex(LocalIndex(), RedisIndex.from_url(srv.url, 0.5), read_local=True)
+    reader.apply("a:1", 0, [("e0", keys[0]), ("e1", keys[1])], [], False, BS, 5.0)
+    found = LOOP.run_until_complete(reader.lookup(keys, ["a:1", "b:2"]))
+    assert found.hits == {"a:1": 2} and found.loads is None  # b:2 is only in Redis
+    assert reader.mode == "redis"
+    assert redis.Redis(port=srv.port).scard(ik.pod_keys_key("a:1")) == 2

@@ -60,12 +60,14 @@ class GatewayConfig:
     probe_interval_s: float = 1.0
     redis_timeout_s: float = 0.05
     speculative_flush_ms: float = 10.0  # decisions batched this long before Redis has them
+    index_reads: str = "redis"  # "local": route on this replica's view (see PrefixIndex)
     forget_pod_after_s: float = 30.0  # a removed pod's index entries are kept this long
 
     def __post_init__(self) -> None:
         assert self.max_body_bytes > 0 and self.scrape_interval_s > 0 and self.load_ttl_ms > 0
         assert self.forget_pod_after_s >= 0 and self.speculative_flush_ms > 0
         assert self.max_failures >= 1 and self.probe_interval_s > 0
+        assert self.index_reads in ("redis", "local")
 
 
 class Gateway:
@@ -81,7 +83,8 @@ class Gateway:
         if cfg.redis_url:
             self.redis = RedisIndex.from_url(cfg.redis_url, max(cfg.redis_timeout_s, 0.2))
         self.index = PrefixIndex(LocalIndex(cfg.local_index), self.redis, cfg.redis_timeout_s,
-                                 cfg.speculative_flush_ms / 1000.0)
+                                 cfg.speculative_flush_ms / 1000.0,
+                                 read_local=cfg.index_reads == "local")
         self.index.on_mode_change.append(self.metrics.set_mode)
         self.metrics.set_mode(self.index.mode)
         uses_events = cfg.routing.strategy == "kv_aware"

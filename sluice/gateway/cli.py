@@ -35,6 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name),
                        help=help_text)
     p.add_argument("--speculative-ttl-ms", type=int, default=d.speculative_ttl_ms)
+    p.add_argument("--index-reads", choices=("redis", "local"), default="redis",
+                   help="where kv_aware lookups read the index: redis (shared: sees every "
+                        "replica's routing decisions) or this replica's event-fed view (no "
+                        "Redis round trip per request; Redis is still written)")
     p.add_argument("--speculative-flush-ms", type=float, default=10.0,
                    help="routing decisions of this long are written to Redis in one call "
                         "(other replicas see them that much later; this one at once)")
@@ -75,6 +79,7 @@ def build(args: argparse.Namespace):
                         scrape_interval_s=args.scrape_interval, load_ttl_ms=args.load_ttl_ms,
                         max_failures=args.max_failures, probe_interval_s=args.probe_interval,
                         speculative_flush_ms=args.speculative_flush_ms,
+                        index_reads=args.index_reads,
                         forget_pod_after_s=args.forget_pod_after)
     if args.discovery == "kubernetes":
         from sluice.gateway.k8s_discovery import KubernetesDiscovery

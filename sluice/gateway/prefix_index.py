@@ -48,12 +48,17 @@ class PrefixIndex:
     MAX_SLOW_LOOKUPS = 5
 
     def __init__(self, local: LocalIndex, redis: RedisIndex | None,
-                 lookup_timeout_s: float = 0.05, flush_after_s: float = 0.01) -> None:
+                 lookup_timeout_s: float = 0.05, flush_after_s: float = 0.01,
+                 read_local: bool = False) -> None:
         """`flush_after_s`: how long speculative entries are batched before they
-        are written to Redis (see `speculate`)."""
+        are written to Redis (see `speculate`). `read_local`: lookups read the
+        local view even while Redis answers (no Redis round trip per request;
+        other replicas' speculative entries and Redis's shared loads are not
+        seen); Redis is still written, for the other replicas and the operator."""
         assert lookup_timeout_s > 0 and flush_after_s > 0
         self.local = local
         self.redis = redis
+        self.read_local = read_local
         self.lookup_timeout_s = lookup_timeout_s
         self.flush_after_s = flush_after_s
         self._flush_timer: asyncio.TimerHandle | None = None
@@ -270,7 +275,7 @@ class PrefixIndex:
         extended by this replica's own speculative entries, which reach Redis up
         to `flush_after_s` later (or were decided while this lookup was in
         flight): a burst of one prefix sticks to one pod from its second request."""
-        if self.redis is not None and not self._degraded:
+        if self.redis is not None and not self._degraded and not self.read_local:
             try:
                 hits, loads, held = await self.redis.lookup(
                     keys, pods, now_ms(), time.monotonic() + self.lookup_timeout_s)
