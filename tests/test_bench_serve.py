@@ -107,3 +107,67 @@ def test_a_failed_turn_fails_the_rest_of_its_session():
     dead = f"http://127.0.0.1:{free_port()}"
     results, _ = asyncio.run(run(requests, dead, "m", float("inf"), 2, 0))
     assert len(results) == 12
+
+
+def test_token_events_are_chunks_with_choices_even_with_empty_text():
+    """As vLLM's bench: a special token (empty text) is a token; E2E ends at the
+    last token chunk, not at the usage chunk after it."""
+    import asyncio
+    import json
+    import time
+
+    import httpx
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+    from test_gateway_proxy import Server
+
+    from sluice.bench.serve_client import send
+    from sluice.bench.serve_workloads import Request
+
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def complete():
+        async def gen():
+            for text in ("", "a"):
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'text': text}]})}\n\n"
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.5)
+            usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
+            yield f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n"
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    async def go(url):
+        async with httpx.AsyncClient(timeout=10) as client:
+            return await send(client, url, "m", Request("completion", 2, prompt="hi"))
+
+    with Server(app) as up:
+        t = time.perf_counter()
+        res = asyncio.run(go(up.url))
+        total = time.perf_counter() - t
+    assert res.ok and res.text == "a" and res.output_tokens == 2 and len(res.itl) == 1
+    assert res.ttft < res.e2e < total - 0.3
+
+
+def test_an_engine_that_does_not_answer_leaves_the_hit_rate_unknown():
+    from engine_server import free_port
+
+    from sluice.bench.serve_stats import scrape_prefix_counters
+
+    assert scrape_prefix_counters([f"http://127.0.0.1:{free_port()}"]) is None
+
+
+def test_a_taken_gateway_port_fails_the_stack_before_it_starts_anything():
+    import socket
+
+    import pytest
+
+    from sluice.local.stack import LocalStack, StackConfig
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        stack = LocalStack(StackConfig(port=s.getsockname()[1]))
+        with pytest.raises(RuntimeError, match="already in use"):
+            stack.start()
+        assert stack.children() == []

@@ -100,7 +100,7 @@ def run_once(args: argparse.Namespace, base_url: str, requests: list[Request],
              label: str, ideal: float | None) -> tuple[dict[str, Any], list[Result]]:
     model = args.model or _first_model(base_url)
     engines = args.engine_metrics or engine_urls_behind(base_url)
-    h0, q0 = scrape_prefix_counters(engines)
+    before = scrape_prefix_counters(engines)
     total = len(requests) * (args.turns if args.workload == "multi-turn" else 1)
     progress = None
     if not args.no_progress:
@@ -110,9 +110,11 @@ def run_once(args: argparse.Namespace, base_url: str, requests: list[Request],
                                         args.max_concurrency, args.seed, progress))
     if progress is not None:
         progress.close()
-    h1, q1 = scrape_prefix_counters(engines)
+    after = scrape_prefix_counters(engines)
     summary = summarize(results, duration)
-    summary["hit_rate"] = (h1 - h0) / (q1 - q0) if q1 > q0 else None
+    summary["hit_rate"] = None
+    if before is not None and after is not None and after[1] > before[1]:
+        summary["hit_rate"] = (after[0] - before[0]) / (after[1] - before[1])
     summary["ideal_hit_rate"] = ideal
     summary["model"] = model
     return summary, results

@@ -73,17 +73,21 @@ async def send(client: httpx.AsyncClient, base_url: str, model: str, req: Reques
                 if data.get("usage"):
                     res.prompt_tokens = data["usage"].get("prompt_tokens", 0)
                     res.output_tokens = data["usage"].get("completion_tokens", 0)
-                for choice in data.get("choices") or []:
-                    piece = choice.get("text") or (choice.get("delta") or {}).get("content")
-                    if piece:
-                        now = time.perf_counter()
-                        if res.ttft is None:
-                            res.ttft = now - res.start
-                        else:
-                            res.itl.append(now - last)
-                        last = now
-                        chunks += 1
-                        res.text += piece
+                choices = data.get("choices") or []
+                if not choices:
+                    continue
+                # as vLLM's bench: every chunk with choices is a token event, even
+                # with empty text (a special token), and times TTFT / ITL / E2E
+                now = time.perf_counter()
+                if res.ttft is None:
+                    res.ttft = now - res.start
+                else:
+                    res.itl.append(now - last)
+                last = now
+                chunks += 1
+                for choice in choices:
+                    res.text += choice.get("text") or (choice.get("delta") or {}).get(
+                        "content") or ""
         res.ok = res.ttft is not None
         res.output_tokens = res.output_tokens or chunks
         if not res.ok:
@@ -91,7 +95,8 @@ async def send(client: httpx.AsyncClient, base_url: str, model: str, req: Reques
     except (httpx.HTTPError, json.JSONDecodeError) as err:
         res.error = f"{type(err).__name__}: {err}"
     finally:
-        res.e2e = time.perf_counter() - res.start
+        # E2E ends at the last token chunk (not the usage chunk or [DONE] after it)
+        res.e2e = (last if res.ok else time.perf_counter()) - res.start
     return res
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import httpx
@@ -58,11 +59,18 @@ def detailed(results: list[Result]) -> list[dict[str, Any]]:
              "error": r.error} for r in sorted(results, key=lambda r: r.start)]
 
 
-def scrape_prefix_counters(engine_urls: list[str]) -> tuple[float, float]:
-    """Sum of (vllm:prefix_cache_hits_total, vllm:prefix_cache_queries_total) over engines."""
+def scrape_prefix_counters(engine_urls: list[str]) -> tuple[float, float] | None:
+    """Sum of (vllm:prefix_cache_hits_total, vllm:prefix_cache_queries_total) over
+    engines; None (with a warning) when an engine does not answer: a sum over some
+    of them would misstate the hit rate."""
     hits = queries = 0.0
     for url in engine_urls:
-        text = httpx.get(url.rstrip("/") + "/metrics", timeout=5).text
+        try:
+            text = httpx.get(url.rstrip("/") + "/metrics", timeout=5).text
+        except httpx.HTTPError as err:
+            print(f"warning: {url}/metrics: {type(err).__name__}: hit rate unknown",
+                  file=sys.stderr, flush=True)
+            return None
         for line in text.splitlines():
             if line.startswith("vllm:prefix_cache_hits_total"):
                 hits += float(line.rsplit(" ", 1)[1])

@@ -88,6 +88,13 @@ class LocalStack:
         return [sys.executable, "-m", "sluice.cli", *args]
 
     def start(self) -> None:
+        """Redis, engines, gateway; RuntimeError (nothing left running) when the
+        gateway's port is taken: the readiness check would otherwise find the
+        other server there."""
+        if not _port_free(self.cfg.host, self.cfg.port):
+            self.stop()
+            raise RuntimeError(f"port {self.cfg.port} on {self.cfg.host} is already in use "
+                               "(give another with --port)")
         try:
             if self.redis_url is None:
                 self._start_redis()
@@ -155,8 +162,9 @@ class LocalStack:
             argv += ["--tokenizer", resolve_model(self.cfg.model)]
         argv += list(self.cfg.gateway_args)
         self.gateway = Child("gateway", argv, self.out, 0, self.cfg.env)
-        wait_until(lambda: _ok(self.url + "/health") and _has_models(self.url),
-                   60, "gateway", [self.gateway])
+        gateway = self.gateway
+        wait_until(lambda: gateway.alive() and _ok(self.url + "/health")
+                   and _has_models(self.url), 60, "gateway", [gateway])
 
     def flush_redis(self) -> None:
         import redis
@@ -179,13 +187,33 @@ class LocalStack:
         self.engines, self.engine_urls, self.engine_specs = [], [], []
 
     def stop(self) -> None:
-        """Gateway first, then engines, then Redis; removes the temp folder."""
-        self.stop_gateway()
-        self.stop_engines()
-        if self.redis is not None:
-            self.redis.stop()
-            self.redis = None
+        """Gateway first, then engines, then Redis; removes the temp folder. A
+        second Ctrl-C (or SIGTERM) meanwhile does not cut it short."""
+        interrupted = False
+        while True:
+            try:
+                self.stop_gateway()
+                self.stop_engines()
+                if self.redis is not None:
+                    self.redis.stop()
+                    self.redis = None
+                break
+            except KeyboardInterrupt:
+                interrupted = True  # the children still running are stopped all the same
         shutil.rmtree(self.dir, ignore_errors=True)
+        if interrupted:
+            print("sluice: interrupted while stopping; every process stopped",
+                  file=sys.stderr, flush=True)
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def _ok(url: str) -> bool:
