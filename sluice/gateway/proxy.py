@@ -43,6 +43,7 @@ log = logging.getLogger("sluice.gateway.proxy")
 
 RouteFn = Callable[[frozenset[str]], Awaitable[Decision | None]]
 ERROR_TEXT_WAIT_S = 1.0  # for the body of a 5xx / 429 (its text goes into ours)
+MAX_PARTIAL_EVENT = 1 << 20  # bytes of an unfinished SSE event held back, at most
 
 
 def decision_headers(d: Decision) -> dict[str, str]:
@@ -200,6 +201,8 @@ class Proxy:
                 if sse:
                     chunk = partial + chunk if partial else chunk
                     end = complete_events(chunk)
+                    if len(chunk) - end > MAX_PARTIAL_EVENT:  # not SSE after all: bounded
+                        end = len(chunk)
                     chunk, partial = chunk[:end], chunk[end:]
                     if not chunk:
                         continue
