@@ -171,3 +171,27 @@ def test_a_taken_gateway_port_fails_the_stack_before_it_starts_anything():
         with pytest.raises(RuntimeError, match="already in use"):
             stack.start()
         assert stack.children() == []
+
+
+def test_a_second_ctrl_c_while_stopping_does_not_cut_the_stop_short():
+    import os
+
+    from sluice.local.stack import LocalStack, StackConfig
+
+    stack = LocalStack(StackConfig())
+    calls = {"engines": 0, "redis": 0}
+
+    def stop_engines():
+        calls["engines"] += 1
+        if calls["engines"] == 1:
+            raise KeyboardInterrupt  # the user presses Ctrl-C again
+
+    class Redis:
+        def stop(self):
+            calls["redis"] += 1
+
+    stack.stop_engines = stop_engines
+    stack.redis = Redis()
+    stack.stop()
+    assert calls == {"engines": 2, "redis": 1} and stack.redis is None
+    assert not os.path.exists(stack.dir)
