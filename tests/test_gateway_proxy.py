@@ -266,41 +266,17 @@ def test_pending_prefill_and_inflight_are_released():
             assert r.headers["x-sluice-prefix-hit-blocks"] == "4"
 
 
-class TruncatingEngine:
+def truncating_engine():
     """A raw HTTP/1.1 engine whose JSON answer promises 1000 bytes, sends 12 and closes."""
+    from test_gateway_proxy_failures import RawEngine
 
-    def __init__(self) -> None:
-        import socket
-        import threading
-
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    more = conn.recv(65536)
-                    if not more:
-                        break
-                    data += more
-                if data.startswith(b"POST"):
-                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                                 b"content-length: 1000\r\n\r\n{\"id\": \"x\", ")
-
-    def close(self) -> None:
-        self.sock.close()
+    return RawEngine(lambda conn: conn.sendall(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+        b"content-length: 1000\r\n\r\n{\"id\": \"x\", "))
 
 
 def test_engine_dying_inside_a_json_answer_is_a_502():
-    engine = TruncatingEngine()
+    engine = truncating_engine()
     try:
         app = gateway_app([(engine.port, "m")])
         with Server(app) as gw:
