@@ -33,6 +33,10 @@ engine's hash seed):
 - `sluice:load:{pod}`       HASH  `waiting`, `running` (ints), `kv_usage` (0-1),
                                   `ts_ms`; short TTL: an expired entry = unknown.
 - `sluice:pool:{namespace}/{pool}:pods`  SET  pod ids gateways route to.
+- `sluice:spec`             pub/sub channel: each speculative write is also
+                                  published (`replica pod expiry keys`, one line
+                                  each), so replicas that route on their own view
+                                  mirror the other replicas' decisions.
 - `sluice:epoch`            STR   a random id, set by the first gateway to find it
                                   absent (SET NX). Another value than a gateway
                                   knows means Redis lost its data (restarted
@@ -50,6 +54,7 @@ _SCAN_BATCH = 1000
 
 
 EPOCH_KEY = PREFIX + "epoch"
+SPEC_CHANNEL = PREFIX + "spec"
 
 
 def block_key(key: str) -> str:

@@ -281,8 +281,10 @@ def test_the_gateway_cli_sets_health_and_flush_knobs():
     p = argparse.ArgumentParser()
     cli.add_arguments(p)
     app = cli.build(p.parse_args(["--engine", "http://127.0.0.1:1,model=m", "--max-failures", "5",
-                                  "--index-reads", "local",
+                                  "--index-reads", "redis",
                                   "--probe-interval", "0.5", "--speculative-flush-ms", "25"]))
     gw = app.state[GATEWAY]
     assert (gw.health.max_failures, gw.health.probe_interval_s) == (5, 0.5)
-    assert gw.index.flush_after_s == 0.025 and gw.index.read_local
+    assert gw.index.flush_after_s == 0.025 and not gw.index.read_local
+    default = cli.build(p.parse_args(["--engine", "http://127.0.0.1:1,model=m"])).state[GATEWAY]
+    assert default.index.read_local

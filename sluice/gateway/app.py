@@ -41,6 +41,7 @@ from sluice.gateway.redis_index import RedisIndex
 from sluice.gateway.registry import PodRegistry
 from sluice.gateway.routing.config import RoutingConfig
 from sluice.gateway.routing.router import Decision, Router
+from sluice.gateway.spec_mirror import SpecMirror
 
 log = logging.getLogger("sluice.gateway")
 
@@ -60,7 +61,7 @@ class GatewayConfig:
     probe_interval_s: float = 1.0
     redis_timeout_s: float = 0.05
     speculative_flush_ms: float = 10.0  # decisions batched this long before Redis has them
-    index_reads: str = "redis"  # "local": route on this replica's view (see PrefixIndex)
+    index_reads: str = "local"  # "redis": one Redis round trip per lookup (see PrefixIndex)
     forget_pod_after_s: float = 30.0  # a removed pod's index entries are kept this long
 
     def __post_init__(self) -> None:
@@ -89,6 +90,10 @@ class Gateway:
         self.metrics.set_mode(self.index.mode)
         uses_events = cfg.routing.strategy == "kv_aware"
         self.feeder = EventFeeder(self.index) if uses_events else None
+        # routing on the own view: the other replicas' decisions are mirrored into it
+        self.mirror = (SpecMirror(self.redis.sync, self.index.local, self.redis.replica_id)
+                       if uses_events and self.redis is not None and self.index.read_local
+                       else None)
         self.http = HttpPool()
         self.registry = PodRegistry(self.feeder, self.redis, self.loads, self.health,
                                     self.http, cfg.probe_interval_s, cfg.forget_pod_after_s)
@@ -112,6 +117,8 @@ class Gateway:
     async def start(self) -> None:
         if self.feeder is not None:
             self.feeder.start()
+        if self.mirror is not None:
+            self.mirror.start()
         await self.discovery.start(self.registry.update)
         self.scraper.start()
         self._tasks.append(asyncio.get_running_loop().create_task(
@@ -125,6 +132,8 @@ class Gateway:
         await self.scraper.stop()
         if self.feeder is not None:
             await asyncio.to_thread(self.feeder.stop)
+        if self.mirror is not None:
+            await asyncio.to_thread(self.mirror.stop)
         await self.http.close()
         if self.redis is not None:
             await self.redis.aio.aclose()

@@ -35,10 +35,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name),
                        help=help_text)
     p.add_argument("--speculative-ttl-ms", type=int, default=d.speculative_ttl_ms)
-    p.add_argument("--index-reads", choices=("redis", "local"), default="redis",
-                   help="where kv_aware lookups read the index: redis (shared: sees every "
-                        "replica's routing decisions) or this replica's event-fed view (no "
-                        "Redis round trip per request; Redis is still written)")
+    p.add_argument("--index-reads", choices=("local", "redis"), default="local",
+                   help="where kv_aware lookups read the index: this replica's view (fed by "
+                        "every engine's events, with the other replicas' routing decisions "
+                        "mirrored from Redis: no Redis round trip per request) or redis "
+                        "(one round trip per request)")
     p.add_argument("--speculative-flush-ms", type=float, default=10.0,
                    help="routing decisions of this long are written to Redis in one call "
                         "(other replicas see them that much later; this one at once)")

@@ -3,7 +3,8 @@
 `LoadScraper` polls every pod's `/metrics` every `interval_s` (~150 ms),
 keeps the figures in its local `LoadTable` and writes them to Redis
 (`sluice:load:{pod}`, TTL `ttl_ms`) so every gateway replica and the
-operator's autoscaler read the same numbers. An entry older than its TTL is
+operator's autoscaler read the same numbers; in the same round trip it reads
+Redis's entries back into the table (another replica may have scraped later). An entry older than its TTL is
 unknown: routing does not prefer such a pod.
 """
 
@@ -80,28 +81,40 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
 
 
 class LoadTable:
-    """Latest load per pod with its timestamp (this replica's own view)."""
+    """Latest load per pod with its timestamp: this replica's own scrapes, and the
+    entries Redis held at its last scrape (`put_shared`: another replica's may be
+    newer), so replicas that route on their own view read the shared figures too."""
 
     def __init__(self, ttl_ms: int) -> None:
         assert ttl_ms > 0
         self.ttl_ms = ttl_ms
         self._rows: dict[str, tuple[float, EngineMetrics]] = {}
+        self._shared: dict[str, dict[str, float]] = {}
 
     def put(self, pod: str, m: EngineMetrics, ts_ms: float) -> None:
         self._rows[pod] = (ts_ms, m)
 
+    def put_shared(self, pod: str, row: dict[str, float]) -> None:
+        """Redis's load entry of `pod` (fields `LOAD_FIELDS`)."""
+        self._shared[pod] = row
+
     def drop(self, pod: str) -> None:
         self._rows.pop(pod, None)
+        self._shared.pop(pod, None)
 
     def metrics(self, pod: str) -> EngineMetrics | None:
         row = self._rows.get(pod)
         return None if row is None else row[1]
 
     def fresh(self, now_ms: float) -> dict[str, dict[str, float]]:
-        """Unexpired loads, shaped like the Redis load entries."""
-        return {pod: {"waiting": m.waiting, "running": m.running, "kv_usage": m.kv_usage,
-                      "ts_ms": ts}
-                for pod, (ts, m) in self._rows.items() if now_ms - ts < self.ttl_ms}
+        """Unexpired loads, shaped like the Redis load entries: per pod the newer of
+        its own scrape and Redis's entry."""
+        out = {pod: {"waiting": m.waiting, "running": m.running, "kv_usage": m.kv_usage,
+                     "ts_ms": ts} for pod, (ts, m) in self._rows.items()}
+        for pod, row in self._shared.items():
+            if pod not in out or row["ts_ms"] > out[pod]["ts_ms"]:
+                out[pod] = row
+        return {pod: row for pod, row in out.items() if now_ms - row["ts_ms"] < self.ttl_ms}
 
 
 class LoadScraper:
@@ -135,11 +148,14 @@ class LoadScraper:
                 self.table.put(r[0], r[1], now)
                 fresh[r[0]] = {"waiting": r[1].waiting, "running": r[1].running,
                                "kv_usage": r[1].kv_usage, "ts_ms": now}
-        if fresh and self.redis is not None:
+        if targets and self.redis is not None:
             try:
-                await asyncio.wait_for(self.redis.write_loads(fresh, self.table.ttl_ms), 0.5)
+                shared = await asyncio.wait_for(
+                    self.redis.write_loads(fresh, self.table.ttl_ms, list(targets)), 0.5)
             except (TimeoutError, RedisError, OSError):
-                pass  # the index notices Redis outages; loads stay local meanwhile
+                shared = {}  # the index notices Redis outages; loads stay local meanwhile
+            for pod, row in shared.items():
+                self.table.put_shared(pod, row)
         return len(fresh)
 
     async def _loop(self) -> None:

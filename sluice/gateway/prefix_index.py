@@ -36,7 +36,7 @@ log = logging.getLogger("sluice.gateway.index")
 
 class Found(NamedTuple):
     hits: dict[str, int]                       # pod -> leading keys held
-    loads: dict[str, dict[str, float]] | None  # Redis load entries (None: Redis down)
+    loads: dict[str, dict[str, float]] | None  # Redis load entries (None: not read)
     held: dict[str, int]                       # pod -> keys held (confirmed)
 
 
@@ -52,9 +52,10 @@ class PrefixIndex:
                  read_local: bool = False) -> None:
         """`flush_after_s`: how long speculative entries are batched before they
         are written to Redis (see `speculate`). `read_local`: lookups read the
-        local view even while Redis answers (no Redis round trip per request;
-        other replicas' speculative entries and Redis's shared loads are not
-        seen); Redis is still written, for the other replicas and the operator."""
+        local view even while Redis answers (no Redis round trip per request:
+        the other replicas' speculative entries reach the view through
+        `spec_mirror`, Redis's loads through the load scraper); Redis is still
+        written, for the other replicas and the operator."""
         assert lookup_timeout_s > 0 and flush_after_s > 0
         self.local = local
         self.redis = redis

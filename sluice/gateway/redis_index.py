@@ -32,6 +32,7 @@ from sluice.gateway.redis_script import Script, run_scripts
 from sluice.gateway.resp_client import RespClient
 
 assert ik.pod_spec_key("X") == P + "pod:X:spec" and ik.load_key("X") == P + "load:X"
+assert ik.SPEC_CHANNEL == P + "spec"
 
 # Keys travel as one argument, concatenated (each is KEY_WIDTH chars): redis-py
 # packs every argument separately in Python, which for the 512 keys of an
@@ -85,9 +86,12 @@ end
 return {flat, loads, held}
 """.replace("CHUNK", "1024")
 
-# ARGV: prefix, pod, expiry_ms, ttl_ms, keys blob
+# ARGV: prefix, pod, expiry_ms, ttl_ms, keys blob, replica id
+# Also published on `index_keys.SPEC_CHANNEL` for the replicas' mirrors
+# (`spec_mirror`): "replica\npod\nexpiry_ms\nkeys blob".
 SPECULATE = SPLIT_KEYS + """
 local P, pod, exp, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+redis.call('PUBLISH', P..'spec', ARGV[6]..'\\n'..pod..'\\n'..ARGV[3]..'\\n'..ARGV[5])
 local keys = split_keys(ARGV[5])
 local k = P..'pod:'..pod..':spec'
 for c0 = 1, #keys, 512 do
@@ -115,7 +119,8 @@ class RedisIndex:
         self.sync = sync_client
         self.aio = async_client
         self._apply = sync_client.register_script(APPLY)
-        self._rewriter = PodRewriter(sync_client, self._apply, uuid.uuid4().hex, lease_ms)
+        self.replica_id = uuid.uuid4().hex  # (this gateway replica's, in fences and mirrors)
+        self._rewriter = PodRewriter(sync_client, self._apply, self.replica_id, lease_ms)
         self._lookup = Script(async_client, LOOKUP)
         self._spec = Script(async_client, SPECULATE)
         self._pending: list[tuple[Script, list[Any]]] = []  # queued speculations
@@ -204,7 +209,8 @@ class RedisIndex:
     def speculate_later(self, pod: str, keys: list[str], ttl_ms: int, now_ms: float) -> None:
         """Queue speculative entries (sent by the next `flush`)."""
         if keys:
-            self._pending.append((self._spec, [P, pod, now_ms + ttl_ms, ttl_ms, _blob(keys)]))
+            self._pending.append((self._spec, [P, pod, now_ms + ttl_ms, ttl_ms, _blob(keys),
+                                                self.replica_id]))
 
     @property
     def pending(self) -> int:
@@ -220,12 +226,21 @@ class RedisIndex:
         calls, self._pending = self._pending, []
         return calls
 
-    async def write_loads(self, loads: dict[str, dict[str, float]], ttl_ms: int) -> None:
+    async def write_loads(self, loads: dict[str, dict[str, float]], ttl_ms: int,
+                          read: list[str] = ()) -> dict[str, dict[str, float]]:
+        """Write load entries (TTL `ttl_ms`); in the same round trip read the
+        unexpired entries of the pods `read` (after the writes)."""
         cmds: list[tuple] = []
         for pod, fields in loads.items():
             cmds.append(("HSET", ik.load_key(pod), *(x for kv in fields.items() for x in kv)))
             cmds.append(("PEXPIRE", ik.load_key(pod), ttl_ms))
-        await self.aio.pipeline(cmds)
+        cmds.extend(("HMGET", ik.load_key(pod), *ik.LOAD_FIELDS) for pod in read)
+        replies = await self.aio.pipeline(cmds)
+        out = {}
+        for pod, row in zip(read, replies[len(cmds) - len(read):]):
+            if None not in row:
+                out[pod] = dict(zip(ik.LOAD_FIELDS, map(float, row)))
+        return out
 
 
 def _blob(keys: list[str]) -> str:

@@ -3,12 +3,14 @@
 - round_robin: healthy pods in turn.
 - least_load: filters, then queue + KV scores.
 - prefix (approximate): hits from this gateway's own routing history only.
-- kv_aware (precise): hits from the event-fed index (Redis, or the local view
-  when Redis is down) plus loads from Redis; the decision is written back as
-  speculative entries (TTL `speculative_ttl_ms`) so a burst of one prefix
-  sticks to one pod before the engine's events arrive; the proxy renews them
-  (`renew_speculation`) while the request's prefill is still pending, since a
-  prefill can outlast the TTL on a loaded engine.
+- kv_aware (precise): hits from the event-fed index (the replica's view, which
+  mirrors the other replicas' decisions, or Redis with `--index-reads redis`)
+  plus the shared loads (read from Redis by the lookup or with each scrape);
+  the decision is written back as speculative entries (TTL
+  `speculative_ttl_ms`) so a burst of one prefix sticks to one pod before the
+  engine's events arrive; the proxy renews them (`renew_speculation`) while
+  the request's prefill is still pending, since a prefill can outlast the TTL
+  on a loaded engine.
 """
 
 from __future__ import annotations

@@ -1,0 +1,132 @@
+"""Replicas that route on their own view: the other replicas' decisions and
+Redis's load entries reach it (real redis-server)."""
+
+import asyncio
+import time
+
+import pytest
+import redis
+from redis_server import RedisServer
+
+from sluice import index_keys as ik
+from sluice.gateway.block_keys import request_keys
+from sluice.gateway.load import EngineMetrics, LoadScraper, LoadTable
+from sluice.gateway.local_index import LocalIndex
+from sluice.gateway.prefix_index import PrefixIndex
+from sluice.gateway.redis_index import RedisIndex
+from sluice.gateway.spec_mirror import SpecMirror, parse_speculation
+
+KEYS = request_keys("m", 4, list(range(100, 124)))  # 6 keys
+PODS = ["a:1", "b:2"]
+
+
+@pytest.fixture
+def srv():
+    with RedisServer() as s:
+        yield s
+
+
+def replica(srv):
+    """A gateway replica's index that reads its own view, with its mirror running."""
+    index = PrefixIndex(LocalIndex(), RedisIndex.from_url(srv.url, 0.5), read_local=True)
+    mirror = SpecMirror(index.redis.sync, index.local, index.redis.replica_id)
+    mirror.start()
+    assert mirror.subscribed.wait(5)
+    return index, mirror
+
+
+def until(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_a_decision_of_one_replica_reaches_the_others_view(srv):
+    (a, ma), (b, mb) = replica(srv), replica(srv)
+    loop = asyncio.new_event_loop()
+    try:
+        async def decide():
+            a.speculate("b:2", KEYS[:4], ttl_ms=60_000)
+            await asyncio.sleep(a.flush_after_s + 0.1)  # flushed: written and published
+        loop.run_until_complete(decide())
+        until(lambda: b.local.lookup(KEYS, PODS, time.time() * 1000) == {"b:2": 4})
+        found = loop.run_until_complete(b.lookup(KEYS, PODS))
+        assert found.hits == {"b:2": 4} and found.loads is None  # read locally
+        assert mb.mirrored == 4 and ma.mirrored == 0  # a skipped its own message
+        assert redis.Redis(port=srv.port).zcard(ik.pod_spec_key("b:2")) == 4  # still shared
+    finally:
+        ma.stop(), mb.stop()
+        loop.close()
+
+
+def test_the_mirror_expires_entries_and_survives_a_redis_restart(srv):
+    (b, mb) = replica(srv)
+    try:
+        pub = redis.Redis(port=srv.port)
+        now = time.time() * 1000
+        pub.publish(ik.SPEC_CHANNEL, "other\na:1\n%f\n%s" % (now + 200, "".join(KEYS[:2])))
+        until(lambda: b.local.lookup(KEYS, PODS, time.time() * 1000) == {"a:1": 2})
+        until(lambda: b.local.lookup(KEYS, PODS, time.time() * 1000) == {})  # expired
+        pub.publish(ik.SPEC_CHANNEL, b"not a speculation")  # ignored, the mirror goes on
+        srv.stop()
+        srv.start()
+        until(lambda: mb.subscribed.is_set() and redis.Redis(port=srv.port).publish(
+            ik.SPEC_CHANNEL, "other\na:1\n%f\n%s" % (time.time() * 1000 + 60_000, KEYS[0])))
+        until(lambda: b.local.lookup(KEYS, PODS, time.time() * 1000) == {"a:1": 1})
+    finally:
+        mb.stop()
+
+
+def test_parse_speculation_rejects_a_torn_keys_blob():
+    assert parse_speculation(b"r\np\n5.5\n" + KEYS[0].encode()) == ("r", "p", 5.5, [KEYS[0]])
+    with pytest.raises(ValueError):
+        parse_speculation(b"r\np\n5.5\n" + KEYS[0].encode()[:-1])
+
+
+def test_scrapes_read_back_the_newer_loads_other_replicas_wrote(srv):
+    index = RedisIndex.from_url(srv.url, 0.5)
+    table = LoadTable(ttl_ms=60_000)
+    now = time.time() * 1000
+    table.put("a:1", EngineMetrics(waiting=1, running=1, kv_usage=0.1), now - 50)
+    table.put("b:2", EngineMetrics(waiting=2, running=2, kv_usage=0.2), now)
+    other = {"a:1": {"waiting": 7, "running": 3, "kv_usage": 0.9, "ts_ms": now},  # newer
+             "b:2": {"waiting": 9, "running": 9, "kv_usage": 0.9, "ts_ms": now - 100}}
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(index.write_loads(other, 60_000))
+        scraper = LoadScraper(table, index, lambda: {"a:1": "http://127.0.0.1:9"}, None)
+
+        async def failing_get(pod, url):  # the scrape itself fails: Redis still read
+            return None
+        scraper._one = failing_get
+        loop.run_until_complete(scraper.scrape_once())
+    finally:
+        loop.run_until_complete(index.aio.aclose())
+        loop.close()
+    fresh = table.fresh(time.time() * 1000)
+    assert fresh["a:1"]["waiting"] == 7 and fresh["a:1"]["kv_usage"] == 0.9
+    assert fresh["b:2"]["waiting"] == 2  # own scrape newer; b:2 was not read this time
+
+
+def test_a_gateway_reading_its_own_view_runs_the_mirror(srv):
+    from sluice.gateway.app import Gateway, GatewayConfig
+    from sluice.gateway.discovery import StaticDiscovery
+    from sluice.gateway.routing.config import RoutingConfig
+
+    gw = Gateway(GatewayConfig(routing=RoutingConfig(strategy="kv_aware"), redis_url=srv.url),
+                 StaticDiscovery([]))
+    assert gw.cfg.index_reads == "local"  # the default
+    other = RedisIndex.from_url(srv.url, 0.5)
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(gw.start())
+        assert gw.mirror.subscribed.wait(5)
+        other.speculate_later("a:1", KEYS[:3], 60_000, time.time() * 1000)
+        loop.run_until_complete(other.flush())
+        until(lambda: gw.index.local.lookup(KEYS, PODS, time.time() * 1000) == {"a:1": 3})
+    finally:
+        loop.run_until_complete(gw.stop())
+        loop.run_until_complete(other.aio.aclose())
+        loop.close()
+    assert not gw.mirror._thread.is_alive()
