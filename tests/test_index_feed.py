@@ -11,7 +11,8 @@ from redis_server import RedisServer
 from sluice import index_keys as ik
 from sluice.engine.kv_publisher import KVEventPublisher
 from sluice.gateway.block_keys import request_keys
-from sluice.gateway.event_feed import EventFeeder, EventSource, _PodState
+from sluice.gateway.event_feed import EventFeeder
+from sluice.gateway.event_sockets import EventSource, PodState
 from sluice.gateway.local_index import LocalIndex
 from sluice.gateway.prefix_index import PrefixIndex
 from sluice.gateway.redis_index import RedisIndex
@@ -399,7 +400,7 @@ def test_a_batch_seen_twice_after_warming_from_redis_is_no_restart(srv):
     """Replica B reads pod X's position (seq 3, its ts) from Redis while batch 3 still
     waits in its socket: that duplicate must not be taken for a restart (which would
     purge X for every replica); a batch with seq back and a newer ts is one."""
-    from sluice.gateway.event_feed import _PodState
+    from sluice.gateway.event_sockets import PodState
     from sluice.kv_events import KVEventBatch, encode_batch
 
     def batch(ts, events):
@@ -411,7 +412,7 @@ def test_a_batch_seen_twice_after_warming_from_redis_is_no_restart(srv):
                       ts=100.0 + i)
     index_b = make_index(srv.port)
     feeder = EventFeeder(index_b)  # not started: its handlers are driven by hand
-    state = _PodState(EventSource("x:1", MODEL, "tcp://127.0.0.1:1", None), None, None)
+    state = PodState(EventSource("x:1", MODEL, "tcp://127.0.0.1:1", None), None, None)
     feeder._catch_up_new(state)
     assert (state.last_seq, state.last_ts) == (3, 103.0)
     feeder._on_live(state, [b"t", (3).to_bytes(8, "big"), batch(103.0, [])])
@@ -433,7 +434,7 @@ def test_batches_missed_before_the_first_live_one_are_replayed():
     """A new pod whose catch-up replay found nothing, then whose first live batch is
     not seq 0 (batches sent before the subscription went live were dropped by the
     PUB socket): the missed ones are replayed, not lost."""
-    from sluice.gateway.event_feed import _PodState
+    from sluice.gateway.event_sockets import PodState
     from sluice.kv_events import KVEventBatch, encode_batch
 
     a = Engine("a:1", 1)
@@ -445,7 +446,7 @@ def test_batches_missed_before_the_first_live_one_are_replayed():
     a.pub.publish(b1)
     wait_for(lambda: len(a.pub._buffer) == 2)
     source = a.source()
-    state = _PodState(source, feeder._ctx.socket(zmq.SUB), feeder._replay_socket(source))
+    state = PodState(source, feeder._ctx.socket(zmq.SUB), feeder._replay_socket(source))
     try:
         assert state.last_seq == -1  # what an empty catch-up leaves
         payload = encode_batch(KVEventBatch(ts=time.time(), events=b1, data_parallel_rank=0))
@@ -453,7 +454,7 @@ def test_batches_missed_before_the_first_live_one_are_replayed():
         assert state.last_seq == 1
         assert hits(index, TOKENS, ["a:1"]) == {"a:1": 3}
     finally:
-        feeder._close(state)
+        state.close()
         a.pub.close()
 
 
@@ -478,6 +479,36 @@ def test_restart_seen_first_past_the_last_seq_is_detected(srv):
         pub2.publish([stored([2001], 2000, [8, 8, 8, 8])])  # before the SUB reconnects
         time.sleep(1.0)
         publish_until(pub2, lambda: feeder.batches >= 3)
+        assert feeder.restarts == 1
+        assert hits(index, TOKENS[:8], ["a:1"]) == {}
+        assert hits(index, [9, 9, 9, 9, 8, 8, 8, 8], ["a:1"]) == {"a:1": 2}
+    finally:
+        feeder.stop()
+        for p in (a.pub, pub2):
+            if p is not None:
+                p.close()
+
+
+def test_restart_seen_first_right_after_the_last_seq_is_detected(srv):
+    """The engine restarts; its new seq 0 goes out before the SUB reconnects and
+    seq 1 is the first one seen, right after the last applied seq 0 of the old
+    engine. The reconnection makes the feeder compare batch 0 by replay first."""
+    a = Engine("a:1", 1)
+    src = a.source()
+    index = make_index(srv.port)
+    feeder = EventFeeder(index)
+    feeder.start()
+    pub2 = None
+    try:
+        a.pub.publish([stored([a.h(0), a.h(1)], None, TOKENS[:8])])  # seq 0
+        feeder.add(src)
+        wait_for(lambda: feeder.batches >= 1)
+        a.pub.close()
+        pub2 = restarted_publisher(src)
+        pub2.publish([stored([2000], None, [9, 9, 9, 9])])  # seq 0: before the reconnect
+        time.sleep(1.0)  # reconnected
+        pub2.publish([stored([2001], 2000, [8, 8, 8, 8])])  # seq 1, seen live
+        wait_for(lambda: feeder.batches >= 3)  # old 0, then new 0 and 1 (replayed)
         assert feeder.restarts == 1
         assert hits(index, TOKENS[:8], ["a:1"]) == {}
         assert hits(index, [9, 9, 9, 9, 8, 8, 8, 8], ["a:1"]) == {"a:1": 2}
@@ -600,7 +631,7 @@ def test_a_partial_view_is_merged_into_redis_not_written_over_it(srv):
         fed.apply("a:1", i, [(f"e{i}", keys[i])], [], False, BS, ts=5.0 + i)
     late = make_index(srv.port)
     feeder = EventFeeder(late)
-    state = _PodState(EventSource("a:1", MODEL, "tcp://127.0.0.1:1", None), None, None)
+    state = PodState(EventSource("a:1", MODEL, "tcp://127.0.0.1:1", None), None, None)
 
     def fails(pod):
         raise redis.exceptions.TimeoutError("slow")
@@ -619,7 +650,7 @@ def test_a_skipped_batch_is_no_engine_restart():
     a = Engine("a:1", 1)
     index = make_index(None)
     feeder = EventFeeder(index)
-    state = _PodState(a.source(), None, feeder._replay_socket(a.source()))
+    state = PodState(a.source(), None, feeder._replay_socket(a.source()))
     try:
         a.pub.publish([stored([a.h(0)], None, TOKENS[:4])])
         a.pub.publish([stored([a.h(1)], a.h(0), TOKENS[4:8])])

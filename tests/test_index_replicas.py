@@ -11,7 +11,8 @@ from redis_server import RedisServer
 
 from sluice import index_keys as ik
 from sluice.gateway.block_keys import request_keys
-from sluice.gateway.event_feed import EventFeeder, EventSource, _PodState
+from sluice.gateway.event_feed import EventFeeder
+from sluice.gateway.event_sockets import EventSource, PodState
 from sluice.gateway.local_index import LocalIndex
 from sluice.gateway.prefix_index import PrefixIndex
 from sluice.gateway.redis_apply import encode_ops
@@ -174,12 +175,12 @@ def frames(seq: int, ts: float, events) -> list[bytes]:
     return [b"kv", seq.to_bytes(8, "big"), payload]
 
 
-def replica(port: int) -> tuple[EventFeeder, _PodState]:
+def replica(port: int) -> tuple[EventFeeder, PodState]:
     """A gateway replica whose feeder is driven by hand (no sockets, no replay: an
     engine without a replay endpoint), warmed from Redis."""
     index = PrefixIndex(LocalIndex(), RedisIndex.from_url(f"redis://127.0.0.1:{port}/0", 1.0))
     feeder = EventFeeder(index)
-    state = _PodState(EventSource(POD, MODEL, "tcp://127.0.0.1:1", None), None, None)
+    state = PodState(EventSource(POD, MODEL, "tcp://127.0.0.1:1", None), None, None)
     feeder._catch_up_new(state)
     return feeder, state
 
@@ -194,7 +195,7 @@ def old_engine(port: int, last_seq: int) -> None:
     """The old engine's batches 0..last_seq (ts 100 + seq), applied by some replica."""
     index = PrefixIndex(LocalIndex(), RedisIndex.from_url(f"redis://127.0.0.1:{port}/0", 1.0))
     feeder = EventFeeder(index)
-    state = _PodState(EventSource(POD, MODEL, "tcp://127.0.0.1:1", None), None, None)
+    state = PodState(EventSource(POD, MODEL, "tcp://127.0.0.1:1", None), None, None)
     for i in range(last_seq + 1):
         feeder._on_live(state, frames(i, 100.0 + i, [
             stored([i + 1], i or None, OLD[4 * i:4 * i + 4])] if i < 4 else []))
@@ -254,7 +255,7 @@ def test_an_engine_moved_to_another_event_endpoint_keeps_the_first_replicas_rebu
     assert fb.restarts == 1
     assert redis_hits(srv.port, OLD) == {} and redis_hits(srv.port, NEW) == {POD: 2}
     for f in (fa, fb):
-        f._close(f._pods.pop(POD))
+        f._pods.pop(POD).close()
 
 
 def test_a_replica_behind_on_the_old_engine_still_purges_it(srv):

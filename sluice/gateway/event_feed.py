@@ -8,6 +8,9 @@ seq, read `(seq, payload)` until seq == -1.
 - Pod added: connect SUB first, then, if Redis holds the pod's last applied
   seq, warm the local view from Redis and replay from seq + 1 (a restarted
   gateway catches up); otherwise replay from 0.
+- The SUB reconnected (its engine may have restarted on the same endpoint,
+  its first batches lost: `event_sockets`) and the next live batch follows the
+  last applied one: the catch-up first compares the batch at the last seq.
 - Gap in live seqs: replay the missing range. That includes a first live
   batch after an empty catch-up that is not seq 0: a SUB connect is
   asynchronous, and PUB drops what it sends before the subscription is live.
@@ -33,34 +36,17 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 
 import msgspec
 import zmq
 
 from sluice.gateway.event_replay import batch_ts, read_replay
+from sluice.gateway.event_sockets import EventSource, PodState, ReconnectWatch, connect
 from sluice.gateway.prefix_index import PrefixIndex
 from sluice.gateway.translate import Translated, translate
 from sluice.kv_events import decode_batch
 
 log = logging.getLogger("sluice.gateway.events")
-
-
-@dataclass(frozen=True)
-class EventSource:
-    pod: str                     # host:port of the engine's HTTP server
-    model: str                   # served model name (seeds the request keys)
-    endpoint: str                # e.g. tcp://10.0.0.5:5557
-    replay_endpoint: str | None  # e.g. tcp://10.0.0.5:5558
-
-
-@dataclass
-class _PodState:
-    source: EventSource
-    sub: zmq.Socket
-    replay: zmq.Socket | None
-    last_seq: int = -1
-    last_ts: float = 0.0
 
 
 class EventFeeder:
@@ -72,7 +58,7 @@ class EventFeeder:
         self.recover_every_s = recover_every_s
         self._ctx = zmq.Context.instance()
         self._cmds: queue.Queue = queue.Queue(maxsize=10_000)
-        self._pods: dict[str, _PodState] = {}
+        self._pods: dict[str, PodState] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-event-feeder", daemon=True)
         self.batches = 0
@@ -129,7 +115,7 @@ class EventFeeder:
                     self.errors += 1
                     log.exception("kv-event feeder: index recovery failed (retrying)")
         for state in self._pods.values():
-            self._close(state)
+            state.close()
 
     def _round(self, poller: zmq.Poller) -> None:
         """Commands, then up to 50 ms of live events from every pod."""
@@ -140,6 +126,8 @@ class EventFeeder:
         ready = dict(poller.poll(50))
         for state in list(self._pods.values()):
             if state.sub in ready:
+                if state.watch is not None and state.watch.dropped():
+                    state.reconnected = True
                 for _ in range(1000):  # bounded drain per pod per round
                     try:
                         frames = state.sub.recv_multipart(zmq.NOBLOCK)
@@ -159,7 +147,7 @@ class EventFeeder:
             elif cmd == "move":
                 old = self._pods.pop(arg.pod)
                 poller.unregister(old.sub)
-                self._close(old)
+                old.close()
                 if state := self._subscribe(arg, poller):
                     state.last_seq, state.last_ts = old.last_seq, old.last_ts
                     self._catch_up(state)
@@ -169,15 +157,16 @@ class EventFeeder:
                 pod, gone = arg
                 state = self._pods.pop(pod)
                 poller.unregister(state.sub)
-                self._close(state)
+                state.close()
                 self.index.forget_pod(pod, gone)
 
-    def _subscribe(self, source: EventSource, poller: zmq.Poller) -> _PodState | None:
+    def _subscribe(self, source: EventSource, poller: zmq.Poller) -> PodState | None:
         sub = self._connect(zmq.SUB, source.endpoint, source.pod, "routed on load and "
                             "speculative entries only")
         if sub is None:
             return None
-        state = self._pods[source.pod] = _PodState(source, sub, self._replay_socket(source))
+        state = self._pods[source.pod] = PodState(source, sub, self._replay_socket(source),
+                                                   ReconnectWatch(sub))
         poller.register(sub, zmq.POLLIN)
         return state
 
@@ -188,34 +177,21 @@ class EventFeeder:
 
     def _connect(self, kind: int, endpoint: str, pod: str, consequence: str
                  ) -> zmq.Socket | None:
-        """A SUB (all topics) or DEALER socket connected to `endpoint`; None (logged and
-        counted) when the endpoint is not a valid ZMQ address."""
-        sock = self._ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        if kind == zmq.SUB:
-            sock.setsockopt(zmq.SUBSCRIBE, b"")
-            sock.setsockopt(zmq.RCVHWM, 100_000)
+        """`event_sockets.connect`; None (logged and counted) for a bad endpoint."""
         try:
-            sock.connect(endpoint)
+            return connect(self._ctx, kind, endpoint)
         except zmq.ZMQError as err:
-            sock.close(linger=0)
             self.errors += 1
             log.error("%s: bad KV-event endpoint %r (%s): %s", pod, endpoint, err, consequence)
             return None
-        return sock
 
-    def _close(self, state: _PodState) -> None:
-        state.sub.close(linger=0)
-        if state.replay is not None:
-            state.replay.close(linger=0)
-
-    def _catch_up_new(self, state: _PodState) -> None:
+    def _catch_up_new(self, state: PodState) -> None:
         stored = self.index.stored_position(state.source.pod)
         if stored is not None and self.index.warm_from_redis(state.source.pod, *stored):
             state.last_seq, state.last_ts = stored
         self._catch_up(state)
 
-    def _catch_up(self, state: _PodState) -> None:
+    def _catch_up(self, state: PodState) -> None:
         """Replay what follows the last applied batch. When that batch's timestamp is
         known the replay starts at it, to compare: a different one there means
         another incarnation of the engine (it restarted, and its seq has already
@@ -226,7 +202,7 @@ class EventFeeder:
         if other_ts is not None:
             self._restarted(state, (start, other_ts))
 
-    def _replay(self, state: _PodState, start: int, expect_ts: float = 0.0) -> float | None:
+    def _replay(self, state: PodState, start: int, expect_ts: float = 0.0) -> float | None:
         """Apply the engine's buffered batches from `start` on (vLLM's replay protocol).
 
         With `expect_ts`, batch `start` is the last one applied and is only compared:
@@ -247,10 +223,16 @@ class EventFeeder:
                 state.replay = self._replay_socket(state.source)
         return other_ts
 
-    def _on_live(self, state: _PodState, frames: list[bytes]) -> None:
+    def _on_live(self, state: PodState, frames: list[bytes]) -> None:
         if len(frames) != 3:
             return
         seq = int.from_bytes(frames[1], "big")
+        if state.reconnected:
+            state.reconnected = False
+            if seq == state.last_seq + 1:  # as if nothing happened: is it the same engine?
+                self._catch_up(state)
+                if seq <= state.last_seq:
+                    return
         if seq <= state.last_seq:
             # Not newer: a batch seen twice (replayed, or applied by another replica
             # before this one read Redis), or the engine restarted (its seq starts
@@ -274,7 +256,7 @@ class EventFeeder:
                 return
         self._apply(state, seq, frames[2])
 
-    def _restarted(self, state: _PodState, seen: tuple[int, float]) -> None:
+    def _restarted(self, state: PodState, seen: tuple[int, float]) -> None:
         """The engine restarted (its cache is empty), as its batch `seen` (seq, ts) shows:
         drop its entries, replay it from 0."""
         log.warning("%s restarted (batch %d of time %s after %d of time %s): dropping its "
@@ -285,7 +267,7 @@ class EventFeeder:
         state.last_seq, state.last_ts = -1, 0.0
         self._replay(state, 0)
 
-    def _apply(self, state: _PodState, seq: int, payload: bytes) -> None:
+    def _apply(self, state: PodState, seq: int, payload: bytes) -> None:
         try:
             batch = decode_batch(payload)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as err:
