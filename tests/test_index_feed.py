@@ -257,6 +257,28 @@ def test_speculative_entries_expire(srv):
     assert LOOP.run_until_complete(go()) == ({"a:1": 3}, {})
 
 
+def test_a_shorter_speculation_never_cuts_a_longer_one_short(srv):
+    """Replicas with other TTLs decide for one pod: the longest expiry counts, in
+    Redis (entry and key) and in a view."""
+    index, other = make_index(srv.port), make_index(srv.port)
+    keys = request_keys(MODEL, BS, TOKENS)
+
+    async def go():
+        index.speculate("a:1", keys[:3], ttl_ms=60_000)
+        await asyncio.sleep(index.flush_after_s + 0.1)
+        other.speculate("a:1", keys[:3], ttl_ms=300)
+        await asyncio.sleep(other.flush_after_s + 0.5)  # past the short TTL
+        index.local.clear("a:1")  # Redis answers
+        return (await index.lookup(keys, ["a:1"])).hits
+
+    assert LOOP.run_until_complete(go()) == {"a:1": 3}
+    assert index.redis.sync.pttl(ik.pod_spec_key("a:1")) > 50_000
+    view = LocalIndex()
+    view.add_speculative("a:1", keys[:1], 2e12)
+    view.add_speculative("a:1", keys[:1], 1e12)
+    assert view.lookup(keys, ["a:1"], 1.5e12) == {"a:1": 1}
+
+
 def test_a_speculation_without_a_lookup_after_it_is_flushed_alone(srv):
     index = make_index(srv.port)
     keys = request_keys(MODEL, BS, TOKENS)

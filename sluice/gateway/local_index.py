@@ -84,9 +84,11 @@ class LocalIndex:
                 holders.pop(pod, None)
 
     def add_speculative(self, pod: str, keys: list[str], expiry_ms: float) -> None:
+        """`pod` will hold `keys` until `expiry_ms` (an entry's expiry only grows)."""
         with self._lock:
             for key in keys:
-                self._spec.setdefault(key, {})[pod] = expiry_ms
+                holders = self._spec.setdefault(key, {})
+                holders[pod] = max(holders.get(pod, 0.0), expiry_ms)
                 self._spec.move_to_end(key)
             while len(self._spec) > self.config.max_speculative_keys:
                 self._spec.popitem(last=False)

@@ -88,7 +88,9 @@ return {flat, loads, held}
 
 # ARGV: prefix, pod, expiry_ms, ttl_ms, keys blob, replica id
 # Also published on `index_keys.SPEC_CHANNEL` for the replicas' mirrors
-# (`spec_mirror`): "replica\npod\nexpiry_ms\nkeys blob".
+# (`spec_mirror`): "replica\npod\nexpiry_ms\nkeys blob". An entry's expiry and
+# the key's TTL only grow: a shorter decision (another replica's TTL) never cuts
+# a longer one short.
 SPECULATE = SPLIT_KEYS + """
 local P, pod, exp, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 redis.call('PUBLISH', P..'spec', ARGV[6]..'\\n'..pod..'\\n'..ARGV[3]..'\\n'..ARGV[5])
@@ -100,10 +102,10 @@ for c0 = 1, #keys, 512 do
     args[#args + 1] = exp
     args[#args + 1] = keys[x]
   end
-  redis.call('ZADD', k, unpack(args))
+  redis.call('ZADD', k, 'GT', unpack(args))
 end
 redis.call('ZREMRANGEBYSCORE', k, '-inf', '('..(exp - ttl))
-redis.call('PEXPIRE', k, ttl)
+if redis.call('PTTL', k) < ttl then redis.call('PEXPIRE', k, ttl) end
 return #keys
 """
 
