@@ -65,3 +65,58 @@ def test_engine_specs():
     for bad in ("10.0.0.5", "h:1,events=h:5557", "h:1,replay=5558", "h:1,colour=red"):
         with pytest.raises(ValueError):
             parse_engine_spec(bad)
+
+
+def test_lora_adapter_requests_hit_only_blocks_cached_under_the_adapter():
+    """vLLM lists adapters with a `parent` and hashes the adapter's name into its
+    blocks; the events name it (`lora_name`). A request naming the adapter is
+    keyed with that name: it hits the pod holding the prompt under the adapter,
+    and a base-model request hits only the base model's blocks."""
+    import json
+
+    from sluice.gateway.block_keys import request_keys
+    from sluice.gateway.local_index import LocalIndex
+    from sluice.gateway.prefix_index import PrefixIndex
+    from sluice.gateway.routing.config import RoutingConfig
+    from sluice.gateway.routing.router import Router
+    from sluice.gateway.translate import translate
+    from sluice.kv_events import BlockStored, KVEventBatch
+
+    class FakeHttp:
+        async def get(self, url, timeout):
+            assert url.endswith("/v1/models")
+            return 200, json.dumps({"data": [
+                {"id": "base", "parent": None}, {"id": "alias", "parent": None},
+                {"id": "ad", "parent": "base"}]}).encode()
+
+    prompt = list(range(100, 165))  # 4 full blocks of 16 and 1 token
+
+    def stored(lora_name, lora_id=None):
+        return KVEventBatch(ts=1.0, events=[BlockStored(
+            block_hashes=[1, 2, 3, 4], parent_block_hash=None, token_ids=prompt[:64],
+            block_size=16, lora_id=lora_id, medium="GPU", lora_name=lora_name)])
+
+    async def scenario():
+        reg = PodRegistry(None, None, LoadTable(1000), HealthTracker(3, 1.0), FakeHttp())
+        reg.update([Endpoint(pod=p, url=f"http://{p}", model=None) for p in ("a:1", "b:1")])
+        for _ in range(100):
+            if reg.pods_for("ad") == ["a:1", "b:1"]:
+                break
+            await asyncio.sleep(0.01)
+        assert reg.key_model("a:1", "ad") == "ad" and reg.key_model("a:1", "alias") == "base"
+        index = PrefixIndex(LocalIndex(), None)
+        for pod, batch in (("a:1", stored("ad")), ("b:1", stored(None)),
+                           ("c:1", stored(None, lora_id=7))):  # an adapter named by id only
+            t = translate(batch, reg.key_model(pod, "base") or "base", lambda f: None)
+            index.local.store(pod, t.stored)
+        router = Router(RoutingConfig(strategy="kv_aware", speculative_ttl_ms=0), index,
+                        LocalIndex(), LoadTable(1000), lambda p: True, lambda p: 0,
+                        lambda p: 16, key_model_of=reg.key_model)
+        pods = ["a:1", "b:1", "c:1"]
+        for model, pod in (("ad", "a:1"), ("base", "b:1"), ("alias", "b:1")):
+            d = await router.route(model, prompt, pods)
+            assert (d.pod, d.hit_blocks) == (pod, 4), model
+        assert index.local.lookup(request_keys("base", 16, prompt), ["c:1"], 0) == {}
+        reg.close()
+
+    asyncio.run(scenario())

@@ -273,7 +273,7 @@ def test_a_request_naming_an_alias_finds_blocks_keyed_by_the_pods_first_name():
     table = LoadTable(ttl_ms=10_000)
     router = Router(RoutingConfig(strategy="kv_aware"), index, LocalIndex(), table,
                     lambda p: True, lambda p: 0, lambda p: 16, lambda p: 0,
-                    key_model_of=lambda p: "m")  # each pod serves "m" and "alias"
+                    key_model_of=lambda p, model: "m")  # each pod serves "m" and "alias"
     hold(index, "p2:1", 10)  # keyed by "m", as its events are
     d = asyncio.run(router.route("alias", PROMPT, PODS))
     assert (d.pod, d.hit_blocks) == ("p2:1", 10)

@@ -2,7 +2,8 @@
 a change: event feed subscriptions, Redis pod meta, health and load cleanup.
 
 Endpoints whose model is not given are asked for it (`GET /v1/models`, retried
-each `probe_interval_s` while the endpoint exists)."""
+each `probe_interval_s` while the endpoint exists); the models listed with a
+`parent` are LoRA adapters (vLLM's `/v1/models`)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class PodRegistry:
         self.probe_interval_s = probe_interval_s
         self._endpoints: dict[str, Endpoint] = {}   # every discovered pod
         self._models: dict[str, list[str]] = {}     # pod -> its served models (active pods)
+        self._adapters: dict[str, frozenset[str]] = {}  # pod -> those of them LoRA adapters
         self._pending: dict[str, asyncio.Task] = {}
         self._seen: set[str] = set()  # every model an engine has served (few)
         self.on_remove: list[Callable[[str], None]] = []
@@ -48,10 +50,14 @@ class PodRegistry:
     def pods_for(self, model: str) -> list[str]:
         return [p for p, models in self._models.items() if model in models]
 
-    def key_model(self, pod: str) -> str | None:
-        """The model name the pod's KV events are keyed with (its first served name)."""
-        models = self._models.get(pod)
-        return models[0] if models else None
+    def key_model(self, pod: str, model: str) -> str | None:
+        """The name the pod's KV events key a request for `model` with: the adapter's
+        own name for one of its LoRA adapters (its events carry it), else its
+        base model's first served name (an alias hashes alike)."""
+        adapters = self._adapters.get(pod, frozenset())
+        if model in adapters:
+            return model
+        return _base_model(self._models.get(pod, []), adapters)
 
     def serves(self, model: str) -> bool:
         return any(model in models for models in self._models.values())
@@ -95,6 +101,7 @@ class PodRegistry:
         log.info("engine %s removed", pod)
         self._endpoints.pop(pod, None)
         self._models.pop(pod, None)
+        self._adapters.pop(pod, None)
         task = self._pending.pop(pod, None)
         if task is not None:
             task.cancel()
@@ -106,12 +113,15 @@ class PodRegistry:
         for callback in self.on_remove:
             callback(pod)
 
-    def _activate(self, ep: Endpoint, models: list[str]) -> None:
+    def _activate(self, ep: Endpoint, models: list[str],
+                  adapters: frozenset[str] = frozenset()) -> None:
         log.info("engine %s serves %s (pool %s/%s, events %s)", ep.pod, ",".join(models),
                  ep.namespace, ep.pool, ep.events or "none")
         self._models[ep.pod] = models
+        self._adapters[ep.pod] = adapters
         self._seen.update(models)
-        source = EventSource(ep.pod, models[0], ep.events, ep.replay) if ep.events else None
+        base = _base_model(models, adapters)
+        source = EventSource(ep.pod, base, ep.events, ep.replay) if ep.events else None
         pending = self._forget_later.pop(ep.pod, None)
         if pending is not None:  # back within the grace period
             pending.cancel()
@@ -125,7 +135,7 @@ class PodRegistry:
                 self._subscribed[ep.pod] = source
         if self.redis is not None:
             try:
-                self.redis.register_pod(ep.pod, ep.namespace, ep.pool, models[0])
+                self.redis.register_pod(ep.pod, ep.namespace, ep.pool, base)
             except Exception as err:  # noqa: BLE001 -- Redis down: meta is best effort
                 log.warning("could not register %s in redis: %s", ep.pod, err)
 
@@ -138,7 +148,8 @@ class PodRegistry:
             ep = self._endpoints.get(pod)
             if ep is not None:
                 try:
-                    self.redis.register_pod(pod, ep.namespace, ep.pool, models[0])
+                    self.redis.register_pod(pod, ep.namespace, ep.pool, _base_model(
+                        models, self._adapters.get(pod, frozenset())))
                 except Exception as err:  # noqa: BLE001 -- best effort, as at activation
                     log.warning("could not register %s in redis: %s", pod, err)
 
@@ -160,11 +171,17 @@ class PodRegistry:
         while True:
             try:
                 status, body = await self.http.get(ep.url + "/v1/models", 2.0)
-                ids = [m["id"] for m in json.loads(body).get("data", [])]
+                data = json.loads(body).get("data", [])
+                ids = [m["id"] for m in data]
                 if status == 200 and ids:
                     self._pending.pop(ep.pod, None)
-                    self._activate(ep, ids)
+                    self._activate(ep, ids, frozenset(m["id"] for m in data if m.get("parent")))
                     return
             except (*HTTP_ERRORS, ValueError, KeyError, TypeError, AttributeError):
                 pass
             await asyncio.sleep(self.probe_interval_s)
+
+
+def _base_model(models: list[str], adapters: frozenset[str]) -> str:
+    """The first served name that is not a LoRA adapter."""
+    return next((m for m in models if m not in adapters), models[0] if models else "")

@@ -2,8 +2,12 @@
 
 For `BlockStored`, the request key of each block is chained from the key of
 its parent: the parent's engine hash is looked up in the pod's map (the local
-view, which a restarted gateway warms from Redis), or the model's root when
-the parent is None. Blocks whose parent is unknown cannot be keyed and are
+view, which a restarted gateway warms from Redis), or the root when the
+parent is None: the model's, or a LoRA adapter's for a block stored under
+one (vLLM hashes the adapter's name into its blocks: requests naming the
+adapter are keyed with its name, `PodRegistry.key_model`). A block under an
+adapter that the event names only by `lora_id` (older vLLM) gets a root no
+request has: such blocks never count as another model's hits. Blocks whose parent is unknown cannot be keyed and are
 counted as orphans (they are also absent from every request's run, so
 skipping them never creates a false hit).
 """
@@ -48,7 +52,7 @@ def translate(batch: KVEventBatch, model: str,
             bs = ev.block_size
             out.block_size = bs
             if ev.parent_block_hash is None:
-                parent = root_key(model, bs)
+                parent = root_key(_seed(ev, model), bs)
             else:
                 pf = engine_hash_field(ev.parent_block_hash)
                 pk = pending.get(pf) or key_of(pf)
@@ -67,3 +71,12 @@ def translate(batch: KVEventBatch, model: str,
                     out.removed.remove(f)
                 out.stored.append((f, k))
     return out
+
+
+def _seed(ev: BlockStored, model: str) -> str:
+    """The name a root block's key is seeded with (see the module docstring)."""
+    if ev.lora_name:
+        return ev.lora_name
+    if ev.lora_id is not None:
+        return f"{model}\x00lora_id\x00{ev.lora_id}"
+    return model

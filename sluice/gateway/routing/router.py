@@ -64,10 +64,11 @@ class Router:
                  inflight: Callable[[str], int],
                  block_size_of: Callable[[str], int | None],
                  pending_prefill: Callable[[str], int] = lambda pod: 0,
-                 key_model_of: Callable[[str], str | None] = lambda pod: None) -> None:
-        """`key_model_of(pod)`: the model name the pod's KV events are keyed with (its
-        first served name; None: the request's), so a request naming another of
-        the pod's names (an alias) hashes its prompt alike."""
+                 key_model_of: Callable[[str, str], str | None] = lambda pod, model: None
+                 ) -> None:
+        """`key_model_of(pod, model)`: the name the pod's KV events key a request for
+        `model` with (its base model's first served name, so a request naming an
+        alias hashes alike; a LoRA adapter's own name; None: `model`)."""
         assert cfg.strategy != "kv_aware" or index is not None
         self.cfg = cfg
         self.index = index
@@ -107,7 +108,7 @@ class Router:
         keys_by: dict[tuple[str, int], list[str]] = {}
         for c in cands:
             bs = c.block_size = self.block_size_of(c.pod) or self.cfg.default_block_size
-            group = c.key_group = (key_seed(self.key_model_of(c.pod) or model, cache_salt), bs)
+            group = c.key_group = (key_seed(self.key_model_of(c.pod, model) or model, cache_salt), bs)
             if group not in keys_by:
                 keys_by[group] = request_keys(group[0], bs, token_ids)
             c.total_blocks = len(keys_by[group])
