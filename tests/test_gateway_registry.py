@@ -120,3 +120,29 @@ def test_lora_adapter_requests_hit_only_blocks_cached_under_the_adapter():
         reg.close()
 
     asyncio.run(scenario())
+
+
+def test_adapters_loaded_at_run_time_are_learned_on_configured_endpoints_too():
+    import json
+
+    listing = [{"id": "engine-name", "parent": None}]
+
+    class FakeHttp:
+        async def get(self, url, timeout):
+            return 200, json.dumps({"data": listing}).encode()
+
+    async def scenario():
+        reg = PodRegistry(None, None, LoadTable(1000), HealthTracker(3, 1.0), FakeHttp())
+        reg.update([Endpoint(pod="a:1", url="http://a:1", model="m")])  # configured
+        await reg.refresh_models()
+        assert reg.models() == ["m"] and reg.pods_for("ad") == []
+        listing.append({"id": "ad", "parent": "engine-name"})  # /v1/load_lora_adapter
+        await reg.refresh_models()
+        assert reg.pods_for("ad") == ["a:1"] and reg.pods_for("m") == ["a:1"]
+        assert (reg.key_model("a:1", "ad"), reg.key_model("a:1", "m")) == ("ad", "m")
+        listing.pop()  # unloaded
+        await reg.refresh_models()
+        assert reg.models() == ["m"]
+        reg.close()
+
+    asyncio.run(scenario())

@@ -63,11 +63,12 @@ class GatewayConfig:
     speculative_flush_ms: float = 10.0  # decisions batched this long before Redis has them
     index_reads: str = "local"  # "redis": one Redis round trip per lookup (see PrefixIndex)
     forget_pod_after_s: float = 30.0  # a removed pod's index entries are kept this long
+    models_refresh_s: float = 10.0  # every pod's /v1/models read again (LoRA adapters)
 
     def __post_init__(self) -> None:
         assert self.max_body_bytes > 0 and self.scrape_interval_s > 0 and self.load_ttl_ms > 0
         assert self.forget_pod_after_s >= 0 and self.speculative_flush_ms > 0
-        assert self.max_failures >= 1 and self.probe_interval_s > 0
+        assert self.max_failures >= 1 and self.probe_interval_s > 0 and self.models_refresh_s > 0
         assert self.index_reads in ("redis", "local")
 
 
@@ -121,8 +122,10 @@ class Gateway:
             self.mirror.start()
         await self.discovery.start(self.registry.update)
         self.scraper.start()
-        self._tasks.append(asyncio.get_running_loop().create_task(
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(
             self.health.probe_loop(self.http, self.registry.url_of)))
+        self._tasks.append(loop.create_task(self.registry.refresh_loop(self.cfg.models_refresh_s)))
 
     async def stop(self) -> None:
         for t in self._tasks:

@@ -3,7 +3,10 @@ a change: event feed subscriptions, Redis pod meta, health and load cleanup.
 
 Endpoints whose model is not given are asked for it (`GET /v1/models`, retried
 each `probe_interval_s` while the endpoint exists); the models listed with a
-`parent` are LoRA adapters (vLLM's `/v1/models`)."""
+`parent` are LoRA adapters (vLLM's `/v1/models`). Every active pod's list is
+read again each `refresh_models()` call (every `models_refresh_s`, 10 s):
+adapters loaded or unloaded at run time, also on endpoints configured with
+their model (which is then the pod's base model, whatever the engine calls it)."""
 
 from __future__ import annotations
 
@@ -168,18 +171,45 @@ class PodRegistry:
         self._forget_later.clear()
 
     async def _learn_models(self, ep: Endpoint) -> None:
-        while True:
-            try:
-                status, body = await self.http.get(ep.url + "/v1/models", 2.0)
-                data = json.loads(body).get("data", [])
-                ids = [m["id"] for m in data]
-                if status == 200 and ids:
-                    self._pending.pop(ep.pod, None)
-                    self._activate(ep, ids, frozenset(m["id"] for m in data if m.get("parent")))
-                    return
-            except (*HTTP_ERRORS, ValueError, KeyError, TypeError, AttributeError):
-                pass
+        while (served := await self._served(ep)) is None:
             await asyncio.sleep(self.probe_interval_s)
+        self._pending.pop(ep.pod, None)
+        self._activate(ep, *served)
+
+    async def refresh_models(self) -> None:
+        """Read every active pod's `/v1/models` again; activate anew those whose
+        models changed (a pod that does not answer keeps its list)."""
+        for pod in list(self._models):
+            ep = self._endpoints.get(pod)
+            served = None if ep is None else await self._served(ep)
+            if served is not None and self._endpoints.get(pod) is ep and pod in self._models \
+                    and served != (self._models[pod], self._adapters[pod]):
+                self._activate(ep, *served)
+
+    async def refresh_loop(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.refresh_models()
+            except Exception:  # noqa: BLE001 -- the loop must outlive one bad answer
+                log.exception("refreshing the pods' models failed")
+
+    async def _served(self, ep: Endpoint) -> tuple[list[str], frozenset[str]] | None:
+        """(models, those of them LoRA adapters) from the pod's `/v1/models`; a
+        configured model replaces the engine's base names. None: no answer."""
+        try:
+            status, body = await self.http.get(ep.url + "/v1/models", 2.0)
+            data = json.loads(body).get("data", [])
+            ids = [m["id"] for m in data]
+            adapters = frozenset(m["id"] for m in data if m.get("parent"))
+        except (*HTTP_ERRORS, ValueError, KeyError, TypeError, AttributeError):
+            return None
+        if status != 200 or not ids:
+            return None
+        if ep.model is not None:
+            adapters -= {ep.model}
+            ids = [ep.model, *(m for m in ids if m in adapters)]
+        return ids, adapters
 
 
 def _base_model(models: list[str], adapters: frozenset[str]) -> str:
