@@ -480,11 +480,10 @@ def test_batches_missed_before_the_first_live_one_are_replayed():
         a.pub.close()
 
 
-def test_restart_seen_first_past_the_last_seq_is_detected(srv):
-    """The engine restarts and the first batch the gateway sees from it is already
-    past the last seq applied (its first ones went out before the SUB reconnected):
-    the catch-up compares the batch at the last seq, sees another timestamp, and
-    drops the old entries instead of stacking the new engine's onto them."""
+def restart_after_one_batch(srv, new_engine):
+    """An engine publishes batch 0, which the feeder applies, then restarts on the
+    same endpoints; `new_engine(pub)` publishes the new incarnation's batches.
+    The feeder must drop the old entries, not stack the new engine's onto them."""
     a = Engine("a:1", 1)
     src = a.source()
     index = make_index(srv.port)
@@ -497,10 +496,7 @@ def test_restart_seen_first_past_the_last_seq_is_detected(srv):
         wait_for(lambda: feeder.batches >= 1)
         a.pub.close()
         pub2 = restarted_publisher(src)
-        pub2.publish([stored([2000], None, [9, 9, 9, 9])])  # seq 0, 1: likely sent
-        pub2.publish([stored([2001], 2000, [8, 8, 8, 8])])  # before the SUB reconnects
-        time.sleep(1.0)
-        publish_until(pub2, lambda: feeder.batches >= 3)
+        new_engine(pub2, feeder)
         assert feeder.restarts == 1
         assert hits(index, TOKENS[:8], ["a:1"]) == {}
         assert hits(index, [9, 9, 9, 9, 8, 8, 8, 8], ["a:1"]) == {"a:1": 2}
@@ -509,36 +505,32 @@ def test_restart_seen_first_past_the_last_seq_is_detected(srv):
         for p in (a.pub, pub2):
             if p is not None:
                 p.close()
+
+
+def test_restart_seen_first_past_the_last_seq_is_detected(srv):
+    """The first batch seen of the new engine is already past the last seq applied
+    (its first ones went out before the SUB reconnected): the catch-up compares
+    the batch at the last seq and sees another timestamp."""
+    def new_engine(pub, feeder):
+        pub.publish([stored([2000], None, [9, 9, 9, 9])])  # seq 0, 1: likely sent
+        pub.publish([stored([2001], 2000, [8, 8, 8, 8])])  # before the SUB reconnects
+        time.sleep(1.0)
+        publish_until(pub, lambda: feeder.batches >= 3)
+
+    restart_after_one_batch(srv, new_engine)
 
 
 def test_restart_seen_first_right_after_the_last_seq_is_detected(srv):
-    """The engine restarts; its new seq 0 goes out before the SUB reconnects and
-    seq 1 is the first one seen, right after the last applied seq 0 of the old
-    engine. The reconnection makes the feeder compare batch 0 by replay first."""
-    a = Engine("a:1", 1)
-    src = a.source()
-    index = make_index(srv.port)
-    feeder = EventFeeder(index)
-    feeder.start()
-    pub2 = None
-    try:
-        a.pub.publish([stored([a.h(0), a.h(1)], None, TOKENS[:8])])  # seq 0
-        feeder.add(src)
-        wait_for(lambda: feeder.batches >= 1)
-        a.pub.close()
-        pub2 = restarted_publisher(src)
-        pub2.publish([stored([2000], None, [9, 9, 9, 9])])  # seq 0: before the reconnect
+    """The new engine's seq 0 goes out before the SUB reconnects and seq 1 is the
+    first one seen, right after the old engine's last applied seq 0. The dropped
+    connection makes the feeder compare batch 0 by replay first."""
+    def new_engine(pub, feeder):
+        pub.publish([stored([2000], None, [9, 9, 9, 9])])  # seq 0: before the reconnect
         time.sleep(1.0)  # reconnected
-        pub2.publish([stored([2001], 2000, [8, 8, 8, 8])])  # seq 1, seen live
+        pub.publish([stored([2001], 2000, [8, 8, 8, 8])])  # seq 1, seen live
         wait_for(lambda: feeder.batches >= 3)  # old 0, then new 0 and 1 (replayed)
-        assert feeder.restarts == 1
-        assert hits(index, TOKENS[:8], ["a:1"]) == {}
-        assert hits(index, [9, 9, 9, 9, 8, 8, 8, 8], ["a:1"]) == {"a:1": 2}
-    finally:
-        feeder.stop()
-        for p in (a.pub, pub2):
-            if p is not None:
-                p.close()
+
+    restart_after_one_batch(srv, new_engine)
 
 
 def test_gateway_restart_after_an_engine_restart_past_the_stored_seq(srv):
