@@ -71,13 +71,6 @@ def test_kv_ceiling_and_unknown_load():
     assert d.pod not in ("p2:1", "p0:1")  # full KV cache; unknown load not preferred
 
 
-def test_a_pod_of_unknown_load_wins_over_pods_whose_caches_are_full():
-    full = {p: (0, 4, 0.97) for p in PODS}
-    router, index = make(loads={**full, "p3:1": (None, None, None)})  # just scaled up
-    hold(index, "p1:1", 10)
-    assert route(router).pod == "p3:1"
-
-
 def test_unknown_load_loses_even_with_the_whole_prefix():
     router, index = make(loads={"p0:1": (None, None, None)}, inflight={"p0:1": 5})
     hold(index, "p0:1", 10)

@@ -130,3 +130,22 @@ def test_a_gateway_reading_its_own_view_runs_the_mirror(srv):
         loop.run_until_complete(other.aio.aclose())
         loop.close()
     assert not gw.mirror._thread.is_alive()
+
+
+def test_a_redis_user_without_channel_rights_still_writes_speculative_entries(srv):
+    """The publish is best effort: an ACL refusal neither loses the entries nor
+    reads as an outage (which would switch modes and re-sync every pod)."""
+    redis.Redis(port=srv.port).execute_command(
+        "ACL", "SETUSER", "gw", "on", ">pw", "~*", "+@all", "resetchannels")
+    index = PrefixIndex(LocalIndex(), RedisIndex.from_url(
+        f"redis://gw:pw@127.0.0.1:{srv.port}/0", 0.5), read_local=True)
+    loop = asyncio.new_event_loop()
+    try:
+        async def decide():
+            index.speculate("a:1", KEYS[:3], ttl_ms=60_000)
+            await asyncio.sleep(index.flush_after_s + 0.2)
+        loop.run_until_complete(decide())
+    finally:
+        loop.close()
+    assert index.mode == "redis"
+    assert redis.Redis(port=srv.port).zcard(ik.pod_spec_key("a:1")) == 3

@@ -165,8 +165,13 @@ class EventFeeder:
                             "speculative entries only")
         if sub is None:
             return None
+        try:
+            watch = ReconnectWatch(sub)
+        except zmq.ZMQError as err:  # (out of sockets: fed, without restart detection)
+            log.error("%s: no connection watch on its KV-event socket: %s", source.pod, err)
+            watch = None
         state = self._pods[source.pod] = PodState(source, sub, self._replay_socket(source),
-                                                   ReconnectWatch(sub))
+                                                   watch)
         poller.register(sub, zmq.POLLIN)
         return state
 

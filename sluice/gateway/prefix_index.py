@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Any, NamedTuple
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from sluice.gateway.local_index import LocalIndex
 from sluice.gateway.redis_apply import Outcome, encode_ops
@@ -322,6 +322,8 @@ class PrefixIndex:
             await self.redis.flush(time.monotonic() + self.lookup_timeout_s * 4)
         except TimeoutError:  # (only a lookup in time resets the count)
             self._timed_out()
+        except ResponseError as err:  # Redis answered: no outage (e.g. an ACL refusal)
+            log.warning("speculative entries refused by redis: %s", err)
         except (RedisError, OSError) as err:
             self._degrade(err if isinstance(err, RedisError) else RedisError(repr(err)))
 

@@ -48,6 +48,7 @@ class SpecMirror:
         self.retry_s = retry_s
         self.mirrored = 0  # entries (keys) added to the view
         self.subscribed = threading.Event()
+        self._last_error = ""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -71,7 +72,10 @@ class SpecMirror:
                     if msg is not None and msg["type"] == "message":
                         self.on_message(msg["data"])
             except (RedisError, OSError) as err:
-                log.debug("speculation mirror: %s; reconnecting", err)
+                if str(err) != self._last_error:  # (once per distinct error, not each retry)
+                    log.warning("speculation mirror: %s; other replicas' routing decisions "
+                                "are not seen until it reconnects", err)
+                self._last_error = str(err)
                 self.subscribed.clear()
                 self._stop.wait(self.retry_s)
             finally:

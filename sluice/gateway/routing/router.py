@@ -79,9 +79,7 @@ class Router:
         self.block_size_of = block_size_of
         self.key_model_of = key_model_of
         self.healthy = HealthyFilter(is_healthy)
-        # (the ceiling first: a pod of unknown load, such as one just scaled up and not
-        # scraped yet, is preferred to pods whose caches are full)
-        self.soft_filters = [KVCeilingFilter(), UnknownLoadFilter(), ImbalanceGate()]
+        self.soft_filters = [UnknownLoadFilter(), KVCeilingFilter(), ImbalanceGate()]
         self.picker = MaxScorePicker(cfg.seed)
         self._rr = itertools.count()
         c = cfg
