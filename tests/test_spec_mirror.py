@@ -107,6 +107,15 @@ def test_scrapes_read_back_the_newer_loads_other_replicas_wrote(srv):
     fresh = table.fresh(time.time() * 1000)
     assert fresh["a:1"]["waiting"] == 7 and fresh["a:1"]["kv_usage"] == 0.9
     assert fresh["b:2"]["waiting"] == 2  # own scrape newer; b:2 was not read this time
+    redis.Redis(port=index.sync.connection_pool.connection_kwargs["port"]).delete(
+        ik.load_key("a:1"))  # expired in Redis: the shared row goes too
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(scraper.scrape_once())
+        loop.run_until_complete(index.aio.aclose())
+    finally:
+        loop.close()
+    assert table.fresh(time.time() * 1000)["a:1"]["waiting"] == 1  # own (older) scrape
 
 
 def test_a_gateway_reading_its_own_view_runs_the_mirror(srv):

@@ -94,9 +94,12 @@ class LoadTable:
     def put(self, pod: str, m: EngineMetrics, ts_ms: float) -> None:
         self._rows[pod] = (ts_ms, m)
 
-    def put_shared(self, pod: str, row: dict[str, float]) -> None:
-        """Redis's load entry of `pod` (fields `LOAD_FIELDS`)."""
-        self._shared[pod] = row
+    def put_shared(self, pod: str, row: dict[str, float] | None) -> None:
+        """Redis's load entry of `pod` (fields `LOAD_FIELDS`; None: it has none)."""
+        if row is None:
+            self._shared.pop(pod, None)
+        else:
+            self._shared[pod] = row
 
     def drop(self, pod: str) -> None:
         self._rows.pop(pod, None)
@@ -154,8 +157,12 @@ class LoadScraper:
                     self.redis.write_loads(fresh, self.table.ttl_ms, list(targets)), 0.5)
             except (TimeoutError, RedisError, OSError):
                 shared = {}  # the index notices Redis outages; loads stay local meanwhile
-            for pod, row in shared.items():
-                self.table.put_shared(pod, row)
+            active = self.pods()  # (a pod dropped meanwhile must not come back)
+            for pod in targets:
+                if pod in shared and pod in active:
+                    self.table.put_shared(pod, shared[pod])
+                else:  # expired in Redis: not known through it any more
+                    self.table.put_shared(pod, None)
         return len(fresh)
 
     async def _loop(self) -> None:
