@@ -179,11 +179,11 @@ class PodRegistry:
     async def refresh_models(self) -> None:
         """Read every active pod's `/v1/models` again; activate anew those whose
         models changed (a pod that does not answer keeps its list)."""
-        for pod in list(self._models):
-            ep = self._endpoints.get(pod)
-            served = None if ep is None else await self._served(ep)
-            if served is not None and self._endpoints.get(pod) is ep and pod in self._models \
-                    and served != (self._models[pod], self._adapters[pod]):
+        eps = [ep for pod in self._models if (ep := self._endpoints.get(pod)) is not None]
+        answers = await asyncio.gather(*(self._served(ep) for ep in eps))  # all at once
+        for ep, served in zip(eps, answers):
+            if served is not None and self._endpoints.get(ep.pod) is ep and ep.pod in \
+                    self._models and served != (self._models[ep.pod], self._adapters[ep.pod]):
                 self._activate(ep, *served)
 
     async def refresh_loop(self, interval_s: float) -> None:

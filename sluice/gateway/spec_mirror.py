@@ -85,11 +85,13 @@ class SpecMirror:
                     pass
 
     def on_message(self, data: bytes) -> None:
+        if data.startswith(self.replica_id.encode() + b"\n"):
+            return  # this replica's own (already in the view)
         try:
             replica, pod, expiry_ms, keys = parse_speculation(data)
         except (ValueError, UnicodeDecodeError):
             log.warning("speculation mirror: ignored a malformed message on %s", SPEC_CHANNEL)
             return
-        if replica != self.replica_id and keys:
+        if keys:
             self.local.add_speculative(pod, keys, expiry_ms)
             self.mirrored += len(keys)
