@@ -288,3 +288,15 @@ def test_the_gateway_cli_sets_health_and_flush_knobs():
     assert gw.index.flush_after_s == 0.025 and not gw.index.read_local
     default = cli.build(p.parse_args(["--engine", "http://127.0.0.1:1,model=m"])).state[GATEWAY]
     assert default.index.read_local
+
+
+def test_the_gateway_raises_its_open_files_limit_to_the_hard_one():
+    import subprocess
+    import sys
+
+    code = ("import resource; from sluice.gateway.cli import raise_open_files_limit; "
+            "s, h = resource.getrlimit(resource.RLIMIT_NOFILE); "
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, h), h)); "
+            "raise_open_files_limit(); print(resource.getrlimit(resource.RLIMIT_NOFILE) == (h, h))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"

@@ -452,6 +452,24 @@ def test_a_batch_seen_twice_after_warming_from_redis_is_no_restart(srv):
     assert state.last_seq == 1 and feeder.errors == 1
 
 
+def test_one_feeder_subscribes_to_hundreds_of_pods():
+    """A pod takes up to 4 ZMQ sockets (SUB, replay DEALER, the SUB's monitor pair):
+    past ZMQ's default cap of 1023 per context, every pod still gets its own."""
+    a = Engine("a:1", 1)
+    endpoint = a.source().endpoint
+    feeder = EventFeeder(make_index(None))
+    feeder.start()
+    try:
+        for i in range(400):  # 3 sockets each (no replay endpoint: no 50 ms replays)
+            feeder.add(EventSource(f"p{i}:1", MODEL, endpoint, None))
+        wait_for(lambda: len(feeder.pods()) == 400, timeout=20)
+        assert feeder.errors == 0
+        assert all(s.watch is not None for s in list(feeder._pods.values()))
+    finally:
+        feeder.stop()
+        a.pub.close()
+
+
 def test_batches_missed_before_the_first_live_one_are_replayed():
     """A new pod whose catch-up replay found nothing, then whose first live batch is
     not seq 0 (batches sent before the subscription went live were dropped by the

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import resource
 
 from sluice.gateway.routing.config import STRATEGIES, RoutingConfig
+
+log = logging.getLogger("sluice.gateway")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -94,11 +97,24 @@ def build(args: argparse.Namespace):
     return create_app(Gateway(cfg, discovery, tokenizer))
 
 
+def raise_open_files_limit() -> None:
+    """Soft limit of open files up to the hard one (as vLLM's server does): a
+    gateway holds ~6 descriptors per pod (its ZMQ sockets and their connections)
+    besides its clients' and engines' HTTP connections; 1024 is a common default."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as err:
+            log.warning("open files limit stays %d: %s", soft, err)
+
+
 def main(args: argparse.Namespace) -> int:
     from sluice.gateway.http_server import serve
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    raise_open_files_limit()
     app = build(args)
     serve(app, args.host, args.port)
     return 0

@@ -56,7 +56,10 @@ class EventFeeder:
         self.replay_timeout_s = replay_timeout_s
         self.max_replay_batches = max_replay_batches
         self.recover_every_s = recover_every_s
-        self._ctx = zmq.Context.instance()
+        # its own context: 4 sockets per pod (SUB, DEALER, the SUB's monitor pair),
+        # so the default cap of 1023 would stop one gateway at ~255 pods
+        self._ctx = zmq.Context()
+        self._ctx.set(zmq.MAX_SOCKETS, self._ctx.get(zmq.SOCKET_LIMIT))
         self._cmds: queue.Queue = queue.Queue(maxsize=10_000)
         self._pods: dict[str, PodState] = {}
         self._stop = threading.Event()
@@ -116,6 +119,7 @@ class EventFeeder:
                     log.exception("kv-event feeder: index recovery failed (retrying)")
         for state in self._pods.values():
             state.close()
+        self._ctx.term()
 
     def _round(self, poller: zmq.Poller) -> None:
         """Commands, then up to 50 ms of live events from every pod."""
