@@ -78,6 +78,31 @@ def test_the_mirror_expires_entries_and_survives_a_redis_restart(srv):
         mb.stop()
 
 
+def test_a_connection_gone_silent_is_noticed_and_replaced(srv):
+    """Redis stops answering without closing the connection (hung, or a peer gone
+    behind a half-open TCP connection): the mirror's own PINGs go unanswered, it
+    stops counting itself subscribed and reconnects once Redis answers again."""
+    index = PrefixIndex(LocalIndex(), RedisIndex.from_url(srv.url, 0.5), read_local=True)
+    mirror = SpecMirror(index.redis.sync, index.local, "me", retry_s=0.1,
+                        ping_every_s=0.2, silence_limit_s=1.0)
+    mirror.start()
+    try:
+        assert mirror.subscribed.wait(5)
+        for _ in range(100):  # idle for 1 s, but answering its PINGs: never dropped
+            assert mirror.subscribed.is_set()
+            time.sleep(0.01)
+        srv.pause()
+        try:
+            until(lambda: not mirror.subscribed.is_set(), timeout=5)
+        finally:
+            srv.resume()
+        until(lambda: mirror.subscribed.is_set() and redis.Redis(port=srv.port).publish(
+            ik.SPEC_CHANNEL, "other\na:1\n%f\n%s" % (time.time() * 1000 + 60_000, KEYS[0])))
+        until(lambda: index.local.lookup(KEYS, PODS, time.time() * 1000) == {"a:1": 1})
+    finally:
+        mirror.stop()
+
+
 def test_parse_speculation_rejects_a_torn_keys_blob():
     assert parse_speculation(b"r\np\n5.5\n" + KEYS[0].encode()) == ("r", "p", 5.5, [KEYS[0]])
     with pytest.raises(ValueError):

@@ -9,15 +9,18 @@ other replicas to the local view, with their expiry. They arrive as they reach
 Redis (within the writer's `flush_after_s`), so a burst of one prefix spread
 over replicas still sticks to one pod. While Redis is unreachable nothing is
 published; the mirror reconnects every `retry_s`, and what was published
-meanwhile (entries that expire within seconds anyway) is not recovered.
+meanwhile (entries that expire within seconds anyway) is not recovered. Its
+own PINGs tell a connection that went silent (half-open) from an idle one.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from sluice.gateway.local_index import LocalIndex
@@ -39,15 +42,21 @@ def parse_speculation(message: bytes) -> tuple[str, str, float, list[str]]:
 
 class SpecMirror:
     def __init__(self, client: Any, local: LocalIndex, replica_id: str,
-                 retry_s: float = 0.5) -> None:
+                 retry_s: float = 0.5, ping_every_s: float = 1.0,
+                 silence_limit_s: float = 3.0) -> None:
         """`client`: a redis-py client (the subscription takes a connection of its
-        pool for itself); `replica_id`: this replica's, whose messages are skipped."""
+        pool for itself); `replica_id`: this replica's, whose messages are skipped.
+        A PING goes out every `ping_every_s`; a connection that has said nothing
+        for `silence_limit_s` (no pong: half-open, or Redis hung) is replaced."""
+        assert 0 < ping_every_s < silence_limit_s
         self.client = client
         self.local = local
         self.replica_id = replica_id
         self.retry_s = retry_s
+        self.ping_every_s = ping_every_s
+        self.silence_limit_s = silence_limit_s
         self.mirrored = 0  # entries (keys) added to the view
-        self.subscribed = threading.Event()
+        self.subscribed = threading.Event()  # set while Redis confirms the subscription
         self._last_error = ""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -63,26 +72,44 @@ class SpecMirror:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            pubsub = self.client.pubsub()
             try:
-                pubsub.subscribe(SPEC_CHANNEL)
-                self.subscribed.set()
-                while not self._stop.is_set():
-                    msg = pubsub.get_message(timeout=0.2)
-                    if msg is not None and msg["type"] == "message":
-                        self.on_message(msg["data"])
+                self._listen(pubsub)
             except (RedisError, OSError) as err:
+                self.subscribed.clear()
                 if str(err) != self._last_error:  # (once per distinct error, not each retry)
                     log.warning("speculation mirror: %s; other replicas' routing decisions "
                                 "are not seen until it reconnects", err)
                 self._last_error = str(err)
-                self.subscribed.clear()
                 self._stop.wait(self.retry_s)
             finally:
                 try:
                     pubsub.close()
                 except (RedisError, OSError):
                     pass
+        self.subscribed.clear()
+
+    def _listen(self, pubsub: Any) -> None:
+        """Subscribe and mirror until stopped; RedisError when the connection fails
+        or has been silent for `silence_limit_s` despite a PING every `ping_every_s`
+        (a TCP connection whose peer vanished can otherwise look open for ~15 min)."""
+        pubsub.subscribe(SPEC_CHANNEL)
+        heard = next_ping = time.monotonic()
+        while not self._stop.is_set():
+            msg = pubsub.get_message(timeout=0.2)
+            now = time.monotonic()
+            if msg is not None:
+                heard = now
+                if msg["type"] == "message":
+                    self.on_message(msg["data"])
+                elif msg["type"] == "subscribe":
+                    self.subscribed.set()
+            elif now - heard > self.silence_limit_s:
+                raise RedisConnectionError(
+                    f"no answer from Redis for {self.silence_limit_s:g} s")
+            if now >= next_ping:
+                pubsub.ping()
+                next_ping = now + self.ping_every_s
 
     def on_message(self, data: bytes) -> None:
         if data.startswith(self.replica_id.encode() + b"\n"):
