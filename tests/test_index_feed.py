@@ -279,6 +279,29 @@ def test_a_shorter_speculation_never_cuts_a_longer_one_short(srv):
     assert view.lookup(keys, ["a:1"], 1.5e12) == {"a:1": 1}
 
 
+def test_a_clock_running_ahead_cannot_make_a_speculation_outlive_its_ttl(srv):
+    """Expiries only grow in Redis (ZADD GT), so one written an hour ahead by a
+    replica whose clock runs ahead is capped at Redis's time + the TTL, and so is
+    the expiry published to the other replicas' mirrors."""
+    index = make_index(srv.port)
+    keys = request_keys(MODEL, BS, TOKENS)
+    r = redis.Redis(port=srv.port)
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(ik.SPEC_CHANNEL)
+    index.redis.speculate_later("a:1", keys[:2], 1_000, time.time() * 1000 + 3_600_000)
+    LOOP.run_until_complete(index.redis.flush())
+    secs, micros = r.time()
+    redis_now = secs * 1000 + micros / 1000
+    scores = [s for _, s in r.zrange(ik.pod_spec_key("a:1"), 0, -1, withscores=True)]
+    assert len(scores) == 2 and all(redis_now < s <= redis_now + 1_000 for s in scores)
+    msg = None
+    for _ in range(50):  # (the subscription's confirmation is read as None first)
+        if (msg := pubsub.get_message(timeout=0.1)) is not None:
+            break
+    assert msg is not None and float(msg["data"].split(b"\n")[2]) == scores[0]
+    pubsub.close()
+
+
 def test_a_speculation_without_a_lookup_after_it_is_flushed_alone(srv):
     index = make_index(srv.port)
     keys = request_keys(MODEL, BS, TOKENS)

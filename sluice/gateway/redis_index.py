@@ -90,10 +90,14 @@ return {flat, loads, held}
 # Also published on `index_keys.SPEC_CHANNEL` for the replicas' mirrors
 # (`spec_mirror`): "replica\npod\nexpiry_ms\nkeys blob". An entry's expiry and
 # the key's TTL only grow: a shorter decision (another replica's TTL) never cuts
-# a longer one short.
+# a longer one short. Because no one can shorten it, the expiry is capped at
+# Redis's own clock + the TTL: a replica whose clock runs ahead cannot make an
+# entry outlive its TTL.
 SPECULATE = SPLIT_KEYS + """
 local P, pod, exp, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local keys = split_keys(ARGV[5])
+local t = redis.call('TIME')
+exp = math.min(exp, t[1] * 1000 + math.floor(t[2] / 1000) + ttl)
 local k = P..'pod:'..pod..':spec'
 for c0 = 1, #keys, 512 do
   local args = {}
@@ -106,7 +110,8 @@ end
 redis.call('ZREMRANGEBYSCORE', k, '-inf', '('..(exp - ttl))
 if redis.call('PTTL', k) < ttl then redis.call('PEXPIRE', k, ttl) end
 -- (pcall: a Redis user without channel rights still gets the entries written)
-redis.pcall('PUBLISH', P..'spec', ARGV[6]..'\\n'..pod..'\\n'..ARGV[3]..'\\n'..ARGV[5])
+local msg = ARGV[6]..'\\n'..pod..'\\n'..exp..'\\n'..ARGV[5]  -- (exp as ZADD has it)
+redis.pcall('PUBLISH', P..'spec', msg)
 return #keys
 """
 
