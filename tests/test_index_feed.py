@@ -574,6 +574,43 @@ def test_restart_seen_first_right_after_the_last_seq_is_detected(srv):
     restart_after_one_batch(srv, new_engine)
 
 
+def test_old_batches_read_after_the_drop_do_not_use_up_the_restart_check():
+    """The SUB dropped with the old engine's last batch still queued: read first,
+    it is compared against the new engine, which has no batch at the last seq
+    yet -- nothing settled. The new engine's batch that happens to follow by seq
+    is compared again, and the restart is seen."""
+    a = Engine("a:1", 1)
+    src = a.source()
+    index = make_index(None)
+    feeder = EventFeeder(index)  # not started: its live path is driven by hand
+    state = PodState(src, feeder._ctx.socket(zmq.SUB), feeder._replay_socket(src))
+    pub2 = None
+
+    def frames(seq, ts, events):
+        payload = encode_batch(KVEventBatch(ts=ts, events=events, data_parallel_rank=0))
+        return [b"t", seq.to_bytes(8, "big"), payload]
+    try:
+        feeder._on_live(state, frames(0, 100.0, [stored([a.h(0)], None, TOKENS[:4])]))
+        a.pub.close()
+        pub2 = restarted_publisher(src)
+        state.reconnected = True  # (what the connection watch reports)
+        feeder._on_live(state, frames(1, 101.0, [stored([a.h(1)], a.h(0), TOKENS[4:8])]))
+        assert state.last_seq == 1 and state.reconnected and feeder.restarts == 0
+        for tokens in ([9, 9, 9, 9], [8, 8, 8, 8], [7, 7, 7, 7]):  # new engine: seq 0..2
+            pub2.publish([stored([int(tokens[0])], None, tokens)])
+        wait_for(lambda: len(pub2._buffer) == 3)
+        seq, payload = pub2._buffer[2]
+        feeder._on_live(state, [b"t", seq.to_bytes(8, "big"), payload])
+        assert feeder.restarts == 1 and not state.reconnected and state.last_seq == 2
+        assert hits(index, TOKENS[:8], ["a:1"]) == {}
+        assert hits(index, [9, 9, 9, 9], ["a:1"]) == {"a:1": 1}
+    finally:
+        state.close()
+        for p in (a.pub, pub2):
+            if p is not None:
+                p.close()
+
+
 def test_gateway_restart_after_an_engine_restart_past_the_stored_seq(srv):
     """Gateway down while its engine restarted and published past the seq stored in
     Redis: warming from Redis, then the catch-up finds another batch at that seq."""
@@ -710,7 +747,7 @@ def test_a_skipped_batch_is_no_engine_restart():
         a.pub.publish([stored([a.h(0)], None, TOKENS[:4])])
         a.pub.publish([stored([a.h(1)], a.h(0), TOKENS[4:8])])
         a.pub.publish([stored([a.h(9)], None, [7] * 4, bs=0)])  # untranslatable
-        wait_for(lambda: feeder._catch_up(state) is None and state.last_seq == 2)
+        wait_for(lambda: (feeder._catch_up(state), state.last_seq)[1] == 2)
         a.pub.publish([stored([a.h(2)], a.h(1), TOKENS[8:12])])  # seq 3: missed live
         last = KVEventBatch(ts=time.time(), events=[stored([a.h(3)], a.h(2), TOKENS[12:16])])
         a.pub.publish(last.events)

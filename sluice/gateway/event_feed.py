@@ -9,8 +9,9 @@ seq, read `(seq, payload)` until seq == -1.
   seq, warm the local view from Redis and replay from seq + 1 (a restarted
   gateway catches up); otherwise replay from 0.
 - The SUB reconnected (its engine may have restarted on the same endpoint,
-  its first batches lost: `event_sockets`) and the next live batch follows the
-  last applied one: the catch-up first compares the batch at the last seq.
+  its first batches lost: `event_sockets`): each live batch that follows the
+  last applied one is caught up first, comparing the batch at the last seq,
+  until the engine's answer settles whether it is the same engine.
 - Gap in live seqs: replay the missing range. That includes a first live
   batch after an empty catch-up that is not seq 0: a SUB connect is
   asynchronous, and PUB drops what it sends before the subscription is live.
@@ -200,48 +201,44 @@ class EventFeeder:
             state.last_seq, state.last_ts = stored
         self._catch_up(state)
 
-    def _catch_up(self, state: PodState) -> None:
+    def _catch_up(self, state: PodState) -> bool:
         """Replay what follows the last applied batch. When that batch's timestamp is
         known the replay starts at it, to compare: a different one there means
         another incarnation of the engine (it restarted, and its seq has already
-        passed ours), whose entries are dropped and which is replayed from 0."""
+        passed ours), whose entries are dropped and which is replayed from 0.
+        True when that settled which engine it is (the same batch, or another)."""
         check = state.last_seq >= 0 and state.last_ts > 0
-        start = state.last_seq if check else state.last_seq + 1
-        other_ts = self._replay(state, start, state.last_ts if check else 0.0)
-        if other_ts is not None:
-            self._restarted(state, (start, other_ts))
+        start, expect_ts = state.last_seq, state.last_ts
+        start_ts = self._replay(state, start if check else start + 1, expect_ts if check else 0.0)
+        if start_ts is not None and start_ts != expect_ts:
+            self._restarted(state, (start, start_ts))
+        return start_ts is not None
 
     def _replay(self, state: PodState, start: int, expect_ts: float = 0.0) -> float | None:
         """Apply the engine's buffered batches from `start` on (vLLM's replay protocol).
 
         With `expect_ts`, batch `start` is the last one applied and is only compared:
         a different timestamp means another incarnation of the engine (it
-        restarted): nothing is applied and that timestamp is returned (else None).
-        A request that goes unanswered leaves the socket replaced: its late
-        answer must not be read as the answer to the next request."""
+        restarted) and nothing is applied. Returns batch `start`'s timestamp, if
+        compared and found. A request that goes unanswered leaves the socket
+        replaced: its late answer must not be read as the answer to the next one."""
         if state.replay is None:
             return None
-        complete, other_ts = False, None
+        complete, start_ts = False, None
         try:
-            complete, other_ts = read_replay(
+            complete, start_ts = read_replay(
                 state, start, expect_ts, self.replay_timeout_s, self.max_replay_batches,
                 lambda seq, payload: self._apply(state, seq, payload))
         finally:
             if not complete:  # unread frames must not meet the next request
                 state.replay.close(linger=0)
                 state.replay = self._replay_socket(state.source)
-        return other_ts
+        return start_ts
 
     def _on_live(self, state: PodState, frames: list[bytes]) -> None:
         if len(frames) != 3:
             return
         seq = int.from_bytes(frames[1], "big")
-        if state.reconnected:
-            state.reconnected = False
-            if seq == state.last_seq + 1:  # as if nothing happened: is it the same engine?
-                self._catch_up(state)
-                if seq <= state.last_seq:
-                    return
         if seq <= state.last_seq:
             # Not newer: a batch seen twice (replayed, or applied by another replica
             # before this one read Redis), or the engine restarted (its seq starts
@@ -257,10 +254,14 @@ class EventFeeder:
                 if seq > state.last_seq:
                     self._apply(state, seq, frames[2])
             return
-        if seq > state.last_seq + 1:
-            # a gap; also batches before a new pod's first live one, sent after its
-            # catch-up replay but before its subscription went live (dropped by PUB)
-            self._catch_up(state)
+        if seq > state.last_seq + 1 or state.reconnected:
+            # A gap; also batches before a new pod's first live one, sent after its
+            # catch-up replay but before its subscription went live (dropped by PUB).
+            # Or the SUB reconnected and this batch follows as if nothing happened:
+            # is it the same engine? Only the engine's batch at the last seq settles
+            # that; until it does, batches queued before the drop may come first.
+            if self._catch_up(state):
+                state.reconnected = False
             if seq <= state.last_seq:
                 return
         self._apply(state, seq, frames[2])
@@ -273,7 +274,7 @@ class EventFeeder:
         assert seen[0] <= state.last_seq, (seen, state.last_seq)  # (redis_rewrite.CLAIM)
         self.restarts += 1
         self.index.restarted(state.source.pod, state.last_ts, seen)
-        state.last_seq, state.last_ts = -1, 0.0
+        state.last_seq, state.last_ts, state.reconnected = -1, 0.0, False
         self._replay(state, 0)
 
     def _apply(self, state: PodState, seq: int, payload: bytes) -> None:

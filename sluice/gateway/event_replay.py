@@ -23,12 +23,14 @@ def read_replay(state: Any, start: int, expect_ts: float, timeout_s: float,
                 ) -> tuple[bool, float | None]:
     """Send the request on `state.replay` and `apply` the batches newer than
     `state.last_seq` (which `apply` advances): (whether the answer was read to its
-    end, the other timestamp at `start` or None). With `expect_ts`, batch `start`
+    end, the timestamp of batch `start` or None). With `expect_ts`, batch `start`
     is the last one applied and is only compared: another timestamp there ends the
-    read and is returned (another incarnation of the engine)."""
+    read (another incarnation of the engine). None: the engine no longer (or not
+    yet) has that batch, or it is undecodable."""
     pod = state.source.pod
     state.replay.send_multipart((b"", start.to_bytes(8, "big")))
     deadline = time.monotonic() + timeout_s
+    start_ts = None
     for _ in range(max_batches + 1):
         left = deadline - time.monotonic()
         if left <= 0 or not state.replay.poll(int(left * 1000)):
@@ -42,9 +44,11 @@ def read_replay(state: Any, start: int, expect_ts: float, timeout_s: float,
         seq_bytes, payload = frames[-2], frames[-1]  # tolerate (topic, seq, payload)
         seq = int.from_bytes(seq_bytes, "big", signed=True)
         if seq < 0:
-            return True, None
-        if expect_ts and seq == start and (ts := batch_ts(payload)) not in (expect_ts, None):
-            return False, ts  # (an undecodable batch is no evidence)
+            return True, start_ts
+        if expect_ts and seq == start:
+            start_ts = batch_ts(payload)
+            if start_ts not in (expect_ts, None):  # (an undecodable batch is no evidence)
+                return False, start_ts
         if seq > state.last_seq:
             if state.last_seq >= 0 and seq > state.last_seq + 1:
                 log.warning("%s: events %d..%d are no longer in the engine's replay "

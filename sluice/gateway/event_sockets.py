@@ -72,7 +72,7 @@ class PodState:
     watch: ReconnectWatch | None = None
     last_seq: int = -1
     last_ts: float = 0.0
-    reconnected: bool = False  # the SUB's connection dropped since the last live batch
+    reconnected: bool = False  # the SUB's connection dropped; the engine not yet compared
 
     def close(self) -> None:
         if self.watch is not None:
