@@ -42,7 +42,8 @@ import msgspec
 import zmq
 
 from sluice.gateway.event_replay import batch_ts, read_replay
-from sluice.gateway.event_sockets import EventSource, PodState, ReconnectWatch, connect
+from sluice.gateway.event_sockets import EventSource, PodState, ReconnectWatch
+from sluice.gateway.event_sockets import connect, socket_context
 from sluice.gateway.prefix_index import PrefixIndex
 from sluice.gateway.translate import Translated, translate
 from sluice.kv_events import decode_batch
@@ -57,18 +58,12 @@ class EventFeeder:
         self.replay_timeout_s = replay_timeout_s
         self.max_replay_batches = max_replay_batches
         self.recover_every_s = recover_every_s
-        # its own context: 4 sockets per pod (SUB, DEALER, the SUB's monitor pair),
-        # so the default cap of 1023 would stop one gateway at ~255 pods
-        self._ctx = zmq.Context()
-        self._ctx.set(zmq.MAX_SOCKETS, self._ctx.get(zmq.SOCKET_LIMIT))
+        self._ctx = socket_context()
         self._cmds: queue.Queue = queue.Queue(maxsize=10_000)
         self._pods: dict[str, PodState] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-event-feeder", daemon=True)
-        self.batches = 0
-        self.blocks = 0
-        self.orphans = 0
-        self.restarts = 0
+        self.batches = self.blocks = self.orphans = self.restarts = 0
         self.errors = 0  # exceptions survived by the feeder thread
 
     def start(self) -> None:

@@ -18,6 +18,15 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 
+def socket_context() -> zmq.Context:
+    """A ZMQ context of the feeder's own: a pod takes 4 sockets (SUB, DEALER, the
+    SUB's monitor pair), so ZMQ's default cap of 1023 would stop one gateway at
+    ~255 pods; it is raised to the library's limit."""
+    ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, ctx.get(zmq.SOCKET_LIMIT))
+    return ctx
+
+
 def connect(ctx: zmq.Context, kind: int, endpoint: str) -> zmq.Socket:
     """A SUB (all topics) or DEALER socket connected to `endpoint`; ZMQError when
     the endpoint is not a valid ZMQ address."""

@@ -18,17 +18,17 @@ and the recovery rewrites every pod from the local view.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
 from typing import Any, NamedTuple
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from sluice.gateway.local_index import LocalIndex
 from sluice.gateway.redis_apply import Outcome, encode_ops
 from sluice.gateway.redis_index import RedisIndex
+from sluice.gateway.spec_writer import SpeculationWriter
 from sluice.index_keys import purge_pods
 
 log = logging.getLogger("sluice.gateway.index")
@@ -62,8 +62,10 @@ class PrefixIndex:
         self.read_local = read_local
         self.lookup_timeout_s = lookup_timeout_s
         self.flush_after_s = flush_after_s
-        self._flush_timer: asyncio.TimerHandle | None = None
-        self._flushes: set[asyncio.Task] = set()
+        # (a slow flush only counts toward an outage: only a lookup in time resets it)
+        self._writer = (SpeculationWriter(redis, flush_after_s, lookup_timeout_s * 4,
+                                          self._timed_out, self._degrade)
+                        if redis is not None else None)
         self._lock = threading.Lock()
         self._degraded = redis is None
         self._slow = 0  # consecutive lookup timeouts
@@ -302,30 +304,8 @@ class PrefixIndex:
             return
         t = now_ms()
         self.local.add_speculative(pod, keys, t + ttl_ms)
-        if self.redis is None or self._degraded:
-            return
-        self.redis.speculate_later(pod, keys, ttl_ms, t)
-        if self._flush_timer is None:
-            self._flush_timer = asyncio.get_running_loop().call_later(
-                self.flush_after_s, self._flush_now)
-
-    def _flush_now(self) -> None:
-        self._flush_timer = None
-        if self.redis is not None and self.redis.pending:
-            task = asyncio.get_running_loop().create_task(self._flush())
-            self._flushes.add(task)
-            task.add_done_callback(self._flushes.discard)
-
-    async def _flush(self) -> None:
-        assert self.redis is not None
-        try:
-            await self.redis.flush(time.monotonic() + self.lookup_timeout_s * 4)
-        except TimeoutError:  # (only a lookup in time resets the count)
-            self._timed_out()
-        except ResponseError as err:  # Redis answered: no outage (e.g. an ACL refusal)
-            log.warning("speculative entries refused by redis: %s", err)
-        except (RedisError, OSError) as err:
-            self._degrade(err if isinstance(err, RedisError) else RedisError(repr(err)))
+        if self._writer is not None and not self._degraded:
+            self._writer.add(pod, keys, ttl_ms, t)
 
     def _timed_out(self) -> None:
         """A slow Redis answer: only a run of them counts as an outage (a busy Redis
