@@ -38,9 +38,17 @@ class RedisServer:
         while time.monotonic() < deadline:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return self
+                    pass
             except OSError:
                 time.sleep(0.02)
+                continue
+            # the answer may be another process's that took the port meanwhile (a
+            # test run beside this one): this server then exits at once, unable to bind
+            time.sleep(0.05)
+            if self._proc.poll() is not None:
+                self._proc = None
+                raise RuntimeError(f"redis-server exited: port {self.port} taken?")
+            return self
         raise RuntimeError("redis-server did not start")
 
     def stop(self) -> None:

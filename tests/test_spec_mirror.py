@@ -42,6 +42,14 @@ def until(cond, timeout=5.0):
         time.sleep(0.01)
 
 
+def mirrored_after_reconnecting(srv, mirror, view):
+    """Once `mirror` is subscribed again, another replica's decision reaches `view`
+    (published until a subscriber takes it)."""
+    until(lambda: mirror.subscribed.is_set() and redis.Redis(port=srv.port).publish(
+        ik.SPEC_CHANNEL, "other\na:1\n%f\n%s" % (time.time() * 1000 + 60_000, KEYS[0])))
+    until(lambda: view.lookup(KEYS, PODS, time.time() * 1000) == {"a:1": 1})
+
+
 def test_a_decision_of_one_replica_reaches_the_others_view(srv):
     (a, ma), (b, mb) = replica(srv), replica(srv)
     loop = asyncio.new_event_loop()
@@ -71,9 +79,7 @@ def test_the_mirror_expires_entries_and_survives_a_redis_restart(srv):
         pub.publish(ik.SPEC_CHANNEL, b"not a speculation")  # ignored, the mirror goes on
         srv.stop()
         srv.start()
-        until(lambda: mb.subscribed.is_set() and redis.Redis(port=srv.port).publish(
-            ik.SPEC_CHANNEL, "other\na:1\n%f\n%s" % (time.time() * 1000 + 60_000, KEYS[0])))
-        until(lambda: b.local.lookup(KEYS, PODS, time.time() * 1000) == {"a:1": 1})
+        mirrored_after_reconnecting(srv, mb, b.local)
     finally:
         mb.stop()
 
@@ -96,9 +102,7 @@ def test_a_connection_gone_silent_is_noticed_and_replaced(srv):
             until(lambda: not mirror.subscribed.is_set(), timeout=5)
         finally:
             srv.resume()
-        until(lambda: mirror.subscribed.is_set() and redis.Redis(port=srv.port).publish(
-            ik.SPEC_CHANNEL, "other\na:1\n%f\n%s" % (time.time() * 1000 + 60_000, KEYS[0])))
-        until(lambda: index.local.lookup(KEYS, PODS, time.time() * 1000) == {"a:1": 1})
+        mirrored_after_reconnecting(srv, mirror, index.local)
     finally:
         mirror.stop()
 
