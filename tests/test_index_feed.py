@@ -597,7 +597,7 @@ def test_old_batches_read_after_the_drop_do_not_use_up_the_restart_check():
         feeder._on_live(state, frames(1, 101.0, [stored([a.h(1)], a.h(0), TOKENS[4:8])]))
         assert state.last_seq == 1 and state.reconnected and feeder.restarts == 0
         for tokens in ([9, 9, 9, 9], [8, 8, 8, 8], [7, 7, 7, 7]):  # new engine: seq 0..2
-            pub2.publish([stored([int(tokens[0])], None, tokens)])
+            pub2.publish([stored([tokens[0]], None, tokens)])
         wait_for(lambda: len(pub2._buffer) == 3)
         seq, payload = pub2._buffer[2]
         feeder._on_live(state, [b"t", seq.to_bytes(8, "big"), payload])

@@ -102,9 +102,10 @@ def raise_open_files_limit() -> None:
     gateway holds ~6 descriptors per pod (its ZMQ sockets and their connections)
     besides its clients' and engines' HTTP connections; 1024 is a common default."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft < hard:
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20  # (the kernel's nr_open)
+    if soft != resource.RLIM_INFINITY and soft < target:
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
         except (ValueError, OSError) as err:
             log.warning("open files limit stays %d: %s", soft, err)
 
