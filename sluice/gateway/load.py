@@ -5,8 +5,7 @@ keeps the figures in its local `LoadTable` and writes them to Redis
 (`sluice:load:{pod}`, TTL `ttl_ms`) so every gateway replica and the
 operator's autoscaler read the same numbers; in the same round trip it reads
 Redis's entries back into the table (another replica may have scraped later).
-An entry older than its TTL is
-unknown: routing does not prefer such a pod.
+An entry older than its TTL is unknown: routing does not prefer such a pod.
 """
 
 from __future__ import annotations

@@ -52,6 +52,7 @@ class SpecMirror:
         self.client = client
         self.local = local
         self.replica_id = replica_id
+        self._own = replica_id.encode() + b"\n"  # how this replica's messages start
         self.retry_s = retry_s
         self.ping_every_s = ping_every_s
         self.silence_limit_s = silence_limit_s
@@ -112,7 +113,7 @@ class SpecMirror:
                 next_ping = now + self.ping_every_s
 
     def on_message(self, data: bytes) -> None:
-        if data.startswith(self.replica_id.encode() + b"\n"):
+        if data.startswith(self._own):
             return  # this replica's own (already in the view)
         try:
             replica, pod, expiry_ms, keys = parse_speculation(data)
