@@ -188,6 +188,38 @@ def test_engine_killed_mid_stream_ends_stream_with_error(tiny_chat_model):
                             proc.proc.kill()
             assert time.time() - t0 < 20
             assert len(events) >= 4
-            assert json.loads(events[-1])["error"]["code"] == "upstream_error"
+            assert json.loads(events[-1])["error"]["code"] == 502
     finally:
         proc.stop()
+
+
+def test_a_flood_of_hostile_requests_leaves_every_normal_request_served(gateway):
+    """The security issue's repro: prompts with lone surrogates (and other input the
+    engines refuse) sent beside normal traffic. Each gets an OpenAI-shaped 4xx; the
+    normal requests all succeed and no pod is marked unhealthy."""
+    hostile = [
+        b'{"model": "%s", "prompt": "a\\ud800b", "max_tokens": 2}' % MODEL.encode(),
+        b'{"model": "%s", "messages": [{"role": "user", "content": "x\\udfffy"}]}'
+        % MODEL.encode(),
+        json.dumps({"model": MODEL, "prompt": "word " * 5000, "max_tokens": 2}).encode(),
+    ]
+
+    def attack(i):
+        path = "/v1/chat/completions" if b"messages" in hostile[i % 3] else "/v1/completions"
+        r = httpx.post(gateway.url + path, content=hostile[i % 3], timeout=60,
+                       headers={"content-type": "application/json"})
+        err = r.json()["error"]
+        return r.status_code, set(err), err["code"]
+
+    def normal(i):
+        return complete(gateway.url, chat(400 + i), max_tokens=2).status_code
+
+    with cf.ThreadPoolExecutor(6) as pool:
+        attacks = pool.map(attack, range(24))
+        served = pool.map(normal, range(35))
+        answers, codes = list(attacks), list(served)
+    assert codes == [200] * 35
+    for status, keys, code in answers:
+        assert 400 <= status < 500 and code == status
+        assert keys == {"message", "type", "param", "code"}
+    assert all(httpx.get(gateway.url + "/health").json()["pods"].values())

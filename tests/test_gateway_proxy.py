@@ -19,8 +19,9 @@ from sluice.gateway.routing.config import RoutingConfig
 
 
 def fake_engine(mode, state):
-    """mode: ok | error500 | busy429 | die_midstream | slow | stall (answers after 5 s) |
-    prefill (answers after 1.5 s)."""
+    """mode: ok | error500 (its /health too) | poisoned (500 to the prompt "poison",
+    healthy) | busy429 | die_midstream | slow | stall (answers after 5 s) | prefill
+    (answers after 1.5 s)."""
     app = FastAPI()
 
     @app.get("/health")
@@ -40,7 +41,7 @@ def fake_engine(mode, state):
     async def complete(request: Request):
         body = await request.json()
         state["calls"] = state.get("calls", 0) + 1
-        if mode == "error500":
+        if mode == "error500" or mode == "poisoned" and body.get("prompt") == "poison":
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
         if mode == "busy429":
             return JSONResponse({"error": {"message": "queue full"}}, status_code=429,
@@ -117,7 +118,14 @@ def test_bad_input_is_openai_shaped():
         assert st.get("calls", 0) == 0
 
 
-def test_5xx_and_connect_errors_retry_then_mark_unhealthy():
+def wait_for(predicate, timeout=5.0):
+    deadline = time.time() + timeout
+    while not predicate():
+        assert time.time() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def test_a_failing_probe_or_refused_connections_take_a_pod_out():
     st_bad, st_ok = {}, {}
     dead_port = free_port()  # nothing listens there: connect errors
     with Server(fake_engine("error500", st_bad)) as bad, \
@@ -127,23 +135,54 @@ def test_5xx_and_connect_errors_retry_then_mark_unhealthy():
                 r = post(gw.url, {"model": "m", "prompt": "hi"})
                 assert r.status_code == 200 and r.json()["choices"][0]["text"] == "hello"
                 assert r.headers["x-sluice-pod"] == f"127.0.0.1:{ok.port}"
-            health = httpx.get(gw.url + "/health").json()
-            assert health["pods"][f"127.0.0.1:{bad.port}"] is False
-            assert health["pods"][f"127.0.0.1:{ok.port}"] is True
+            # the 500s alone mark nothing: the bad pod's /health (500) takes it out
+            pods = lambda: httpx.get(gw.url + "/health").json()["pods"]  # noqa: E731
+            wait_for(lambda: pods()[f"127.0.0.1:{bad.port}"] is False)
+            assert pods()[f"127.0.0.1:{ok.port}"] is True
             calls = st_bad["calls"]
             post(gw.url, {"model": "m", "prompt": "hi"})
-            assert st_bad["calls"] == calls  # unhealthy: no longer tried
+            assert st_bad["calls"] == calls  # down: no longer tried
             metrics = httpx.get(gw.url + "/metrics").text
             assert 'sluice_gateway_errors_total{kind="upstream_5xx"}' in metrics
             assert "sluice_gateway_retries_total" in metrics
 
 
+def test_an_error_every_pod_gives_is_relayed_and_marks_no_pod():
+    """A request that makes the engines fail (a 5xx from client input) reaches
+    at most two pods, gets the engine's own answer, and leaves the pool whole:
+    the surrogate flood of the security issue, with scripted engines."""
+    a_st, b_st = {}, {}
+    with Server(fake_engine("poisoned", a_st)) as a, Server(fake_engine("poisoned", b_st)) as b:
+        app = gateway_app([(a, "m"), (b, "m")], max_failures=1)
+        with Server(app) as gw:
+            calls = lambda: a_st.get("calls", 0) + b_st.get("calls", 0)  # noqa: E731
+            for _ in range(20):
+                before = calls()
+                r = post(gw.url, {"model": "m", "prompt": "poison"})
+                assert r.status_code == 500 and r.json()["error"]["message"] == "boom"
+                assert calls() - before == 2  # tried once more, not across the pool
+                ok = post(gw.url, {"model": "m", "prompt": "hi"})
+                assert ok.status_code == 200, ok.text
+            assert all(httpx.get(gw.url + "/health").json()["pods"].values())
+
+
+def test_ejection_is_bounded_to_a_fraction_of_the_pool():
+    dead = [free_port() for _ in range(4)]
+    app = gateway_app([(p, "m") for p in dead], probe_interval_s=60, max_failures=1)
+    health = app.state[GATEWAY].health
+    with Server(app) as gw:
+        for _ in range(6):
+            assert post(gw.url, {"model": "m", "prompt": "hi"}).status_code == 503
+        # 4 pods, fraction 0.5: two ejected at most, whatever the failures
+        assert len(health.unhealthy()) == 2
+
+
 def test_no_pod_left_is_503():
-    st = {}
-    with Server(fake_engine("error500", st)) as bad, Server(gateway_app([(bad, "m")])) as gw:
+    app = gateway_app([(free_port(), "m")])
+    with Server(app) as gw:
         r = post(gw.url, {"model": "m", "prompt": "hi"})
-        assert r.status_code == 503
-        assert r.json()["error"]["type"] == "service_unavailable"
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "ServiceUnavailableError"
 
 
 def test_every_engine_busy_is_429():
@@ -152,7 +191,7 @@ def test_every_engine_busy_is_429():
             Server(gateway_app([(a, "m"), (b, "m")])) as gw:
         r = post(gw.url, {"model": "m", "prompt": "hi"})
         assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
-        assert r.json()["error"]["code"] == "rate_limit_exceeded"
+        assert r.json()["error"]["message"] == "queue full"
         assert st1["calls"] == 1 and st2["calls"] == 1
         health = httpx.get(gw.url + "/health").json()
         assert all(health["pods"].values())  # busy is not unhealthy
@@ -162,7 +201,7 @@ def test_model_names_a_gateway_never_saw_stay_404_while_an_engine_is_being_asked
     dead_port = free_port()  # its model is never learned
     with Server(gateway_app([(dead_port, None)])) as gw:
         r = post(gw.url, {"model": "m", "prompt": "hi"})
-        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert r.status_code == 404 and r.json()["error"]["code"] == 404
     # (a model an engine served, with none ready now: 503, see test_gateway_registry)
 
 
@@ -173,7 +212,7 @@ def test_engine_silent_past_the_read_timeout_is_504_and_counts_as_a_failure():
         # (its /health answers, so a probe would mark it healthy again: none runs here)
         for _ in range(3):
             r = post(gw.url, {"model": "m", "prompt": "hi"})
-            assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+            assert r.status_code == 504 and r.json()["error"]["code"] == 504
         assert httpx.get(gw.url + "/health").json()["pods"][f"127.0.0.1:{up.port}"] is False
 
 
@@ -185,7 +224,7 @@ def test_internal_error_is_an_openai_shaped_500():
     app.state[GATEWAY].router.route = broken
     with Server(app) as gw:
         r = post(gw.url, {"model": "m", "prompt": "hi"})
-        assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+        assert r.status_code == 500 and r.json()["error"]["code"] == 500
         assert httpx.get(gw.url + "/health").status_code in (200, 503)  # still serving
 
 
@@ -216,7 +255,7 @@ def test_upstream_death_mid_stream_ends_with_error_event():
                 if line.startswith("data: "):
                     events.append(line[6:])
         assert len(events) == 3
-        assert json.loads(events[-1])["error"]["code"] == "upstream_error"
+        assert json.loads(events[-1])["error"]["code"] == 502
 
 
 def test_client_disconnect_cancels_upstream():
@@ -282,7 +321,7 @@ def test_engine_dying_inside_a_json_answer_is_a_502():
         with Server(app) as gw:
             r = post(gw.url, {"model": "m", "prompt": "hi"})
             assert r.status_code == 502, r.text
-            assert r.json()["error"]["code"] == "upstream_error"
+            assert r.json()["error"]["code"] == 502
             proxy = app.state[GATEWAY].proxy
             assert proxy.flight.inflight == {} and proxy.flight.pending_prefill == {}
     finally:

@@ -133,7 +133,7 @@ def test_body_over_limit_by_content_length_is_413_then_close(aio):
             c = await Raw.open(port_of(server))
             c.send(request("POST", "/echo", b"x" * 101, "expect: 100-continue"))
             a = await c.answer()  # (no 100 Continue first)
-            assert a.status == 413 and error_of(a)["code"] == "body_too_large"
+            assert a.status == 413 and error_of(a)["code"] == 413
             assert a.headers["connection"] == "close" and await c.rest() == b""
             assert app.state["calls"] == 0
     aio(main)
@@ -147,7 +147,7 @@ def test_body_over_limit_by_chunked_stream_is_413_then_close(aio):
             c.send(b"POST /echo HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n"
                    + b"40\r\n" + b"x" * 64 + b"\r\n" + b"40\r\n" + b"y" * 64 + b"\r\n")
             a = await c.answer()
-            assert a.status == 413 and error_of(a)["type"] == "invalid_request_error"
+            assert a.status == 413 and error_of(a)["type"] == "RequestTooLargeError"
             assert await c.rest() == b"" and app.state["calls"] == 0
     aio(main)
 
@@ -170,7 +170,7 @@ def test_malformed_request_is_400_then_close(aio, garbage):
             c = await Raw.open(port_of(server))
             c.send(garbage)
             a = await c.answer()
-            assert a.status == 400 and error_of(a)["code"] == "invalid_request"
+            assert a.status == 400 and error_of(a)["code"] == 400
             assert await c.rest() == b""
     aio(main)
 
@@ -217,7 +217,7 @@ def test_unknown_path_is_404_and_keeps_the_connection(aio):
             c = await Raw.open(port_of(server))
             c.send(request("GET", "/nope"))
             a = await c.answer()
-            assert a.status == 404 and error_of(a)["code"] == "not_found" and a.keep_alive
+            assert a.status == 404 and error_of(a)["code"] == 404 and a.keep_alive
             c.send(request("GET", "/echo"))
             assert (await c.answer()).status == 200
             c.close()
@@ -230,7 +230,7 @@ def test_wrong_method_is_405_with_allow(aio):
             c = await Raw.open(port_of(server))
             c.send(request("DELETE", "/echo"))
             a = await c.answer()
-            assert a.status == 405 and error_of(a)["code"] == "method_not_allowed"
+            assert a.status == 405 and error_of(a)["code"] == 405
             assert a.headers["allow"] == "GET, POST"
             c.close()
     aio(main)
@@ -242,7 +242,7 @@ def test_handler_exception_is_500_and_the_connection_stays_usable(aio):
             c = await Raw.open(port_of(server))
             c.send(request("GET", "/boom"))
             a = await c.answer()
-            assert a.status == 500 and error_of(a)["code"] == "internal_error"
+            assert a.status == 500 and error_of(a)["code"] == 500
             c.send(request("GET", "/echo"))
             assert (await c.answer()).status == 200
             c.close()

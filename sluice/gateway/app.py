@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,8 +58,9 @@ class GatewayConfig:
     max_body_bytes: int = 10 * 1024 * 1024
     scrape_interval_s: float = 0.15
     load_ttl_ms: int = 1000
-    max_failures: int = 3
+    max_failures: int = 3  # connection failures in a row that eject a pod
     probe_interval_s: float = 1.0
+    max_ejection_fraction: float = 0.5  # of the pods, ejected at once at most (at least 1)
     redis_timeout_s: float = 0.05
     speculative_flush_ms: float = 10.0  # decisions batched this long before Redis has them
     index_reads: str = "local"  # "redis": one Redis round trip per lookup (see PrefixIndex)
@@ -69,6 +71,7 @@ class GatewayConfig:
         assert self.max_body_bytes > 0 and self.scrape_interval_s > 0 and self.load_ttl_ms > 0
         assert self.forget_pod_after_s >= 0 and self.speculative_flush_ms > 0
         assert self.max_failures >= 1 and self.probe_interval_s > 0 and self.models_refresh_s > 0
+        assert 0.0 <= self.max_ejection_fraction <= 1.0
         assert self.index_reads in ("redis", "local")
 
 
@@ -79,7 +82,9 @@ class Gateway:
         self.discovery = discovery
         self.tokenizer = tokenizer or PromptTokenizer({})
         self.metrics = GatewayMetrics()
-        self.health = HealthTracker(cfg.max_failures, cfg.probe_interval_s)
+        self.health = HealthTracker(cfg.max_failures, cfg.probe_interval_s,
+                                    cfg.max_ejection_fraction,
+                                    pool_size=lambda: len(self.registry.active()))
         self.loads = LoadTable(cfg.load_ttl_ms)
         self.redis: RedisIndex | None = None
         if cfg.redis_url:
@@ -124,7 +129,8 @@ class Gateway:
         self.scraper.start()
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(
-            self.health.probe_loop(self.http, self.registry.url_of)))
+            self.health.probe_loop(self.http, lambda: list(self.registry.active()),
+                                   self.registry.url_of)))
         self._tasks.append(loop.create_task(self.registry.refresh_loop(self.cfg.models_refresh_s)))
 
     async def stop(self) -> None:
@@ -149,20 +155,19 @@ class Gateway:
             data = json.loads(body, parse_constant=_not_json)
         except (ValueError, UnicodeDecodeError, RecursionError) as err:
             self.metrics.errors.labels("bad_request").inc()
-            return error_response(400, f"request body is not valid JSON: {err}", "invalid_json")
-        problem = _validate(kind, data)
+            return error_response(400, f"request body is not valid JSON: {err}")
+        problem = _validate(kind, data) or _lone_surrogate(body, data)
         if problem is not None:
             self.metrics.errors.labels("bad_request").inc()
-            return error_response(400, problem[1], "invalid_request", problem[0])
+            return error_response(400, problem[1], problem[0])
         model = data["model"]
         if not self.registry.serves(model):
             if self.registry.may_serve(model):  # known, but no engine of it is ready
                 self.metrics.errors.labels("no_pod").inc()
                 return error_response(503, f"no engine of model {model!r} is ready",
-                                      "service_unavailable", headers={"retry-after": "1"})
+                                      headers={"retry-after": "1"})
             self.metrics.errors.labels("unknown_model").inc()
-            return error_response(404, f"model {model!r} does not exist", "model_not_found",
-                                  "model")
+            return error_response(404, f"model {model!r} does not exist", "model")
         started = time.perf_counter()
         token_ids: list[int] | None = None
         if self.cfg.routing.strategy in ("prefix", "kv_aware"):
@@ -230,6 +235,31 @@ def _validate(kind: str, data: Any) -> tuple[str, str] | None:
                           "token ids (0 to 2^32-1) or a list of such lists, not empty")
     if "stream" in data and not isinstance(data["stream"], bool):
         return "stream", "'stream' must be a boolean"
+    return None
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
+def _lone_surrogate(body: bytes, data: Any) -> tuple[str, str] | None:
+    """A string holding a lone UTF-16 surrogate (JSON `"\\ud800"`): no tokenizer
+    takes it. Raw UTF-8 cannot encode one (json.loads refuses it), so only a body
+    with a surrogate escape needs the walk."""
+    if _SURROGATE_ESCAPE.search(body) is None:
+        return None
+    stack = [data]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode()
+            except UnicodeEncodeError:
+                return "body", "text holds a lone UTF-16 surrogate, which is not valid Unicode"
+        elif isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
     return None
 
 

@@ -53,9 +53,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connect-timeout", type=float, default=2.0)
     p.add_argument("--read-timeout", type=float, default=300.0)
     p.add_argument("--max-failures", type=int, default=3,
-                   help="consecutive failures that mark a pod unhealthy until a probe passes")
+                   help="connection failures in a row that eject a pod until a probe passes")
+    p.add_argument("--max-ejection-fraction", type=float, default=0.5,
+                   help="at most this fraction of the pods (at least one) ejected at once")
     p.add_argument("--probe-interval", type=float, default=1.0,
-                   help="seconds between /health probes of unhealthy pods")
+                   help="seconds between /health probes of every pod (two failed in a row "
+                        "take a pod out, one passed brings it back)")
     p.add_argument("--scrape-interval", type=float, default=0.15)
     p.add_argument("--load-ttl-ms", type=int, default=1000)
     p.add_argument("--forget-pod-after", type=float, default=30.0,
@@ -82,6 +85,7 @@ def build(args: argparse.Namespace):
                         max_body_bytes=args.max_body_bytes,
                         scrape_interval_s=args.scrape_interval, load_ttl_ms=args.load_ttl_ms,
                         max_failures=args.max_failures, probe_interval_s=args.probe_interval,
+                        max_ejection_fraction=args.max_ejection_fraction,
                         speculative_flush_ms=args.speculative_flush_ms,
                         index_reads=args.index_reads,
                         forget_pod_after_s=args.forget_pod_after)

@@ -1,6 +1,21 @@
-"""Pod health from request outcomes: `max_failures` consecutive failures mark a
-pod unhealthy; it stays out of routing until a probe of its `/health` succeeds
-(`probe_loop`, every `probe_interval_s`)."""
+"""Pod health: a property of the pod, never the verdict of one request.
+
+Two sources, as Envoy's active health checks and outlier detection:
+- **Probes** (`probe_loop`): every pod's `/health` each `probe_interval_s`.
+  `probe_failures` failures in a row mark a pod *down*; one success brings it
+  back. This is the pod's own word (our engine answers 503 once its engine
+  thread died), so it is not bounded.
+- **Connection failures** (`connection_failure`): refused or timed-out connects,
+  reads that time out, answers cut mid-stream. `max_failures` in a row *eject*
+  the pod until a probe succeeds. Ejection is bounded: at most
+  `max(1, max_ejection_fraction × pods)` pods are ejected at once, so no run of
+  failures, whoever causes them, can empty the pool.
+
+An HTTP answer of any status is not a failure: the pod was reached and spoke
+HTTP. A 5xx that one request gets is either the request's doing (its peer pod
+says the same) or the pod's (its `/health` says so): the proxy retries it once
+and relays the second answer, and the probes judge the pod.
+"""
 
 from __future__ import annotations
 
@@ -14,48 +29,83 @@ log = logging.getLogger("sluice.gateway.health")
 
 
 class HealthTracker:
-    def __init__(self, max_failures: int = 3, probe_interval_s: float = 1.0) -> None:
-        assert max_failures >= 1
+    """Owned by the event loop's thread: every method runs there."""
+
+    def __init__(self, max_failures: int = 3, probe_interval_s: float = 1.0,
+                 max_ejection_fraction: float = 0.5, probe_failures: int = 2,
+                 pool_size: Callable[[], int] = lambda: 1) -> None:
+        assert max_failures >= 1 and probe_failures >= 1 and probe_interval_s > 0
+        assert 0.0 <= max_ejection_fraction <= 1.0
         self.max_failures = max_failures
         self.probe_interval_s = probe_interval_s
-        self._failures: dict[str, int] = {}
-        self._unhealthy: set[str] = set()
+        self.max_ejection_fraction = max_ejection_fraction
+        self.probe_failures = probe_failures
+        self.pool_size = pool_size
+        self._failures: dict[str, int] = {}  # consecutive connection failures
+        self._probe_failed: dict[str, int] = {}  # consecutive failed probes
+        self._ejected: set[str] = set()
+        self._down: set[str] = set()
 
     def is_healthy(self, pod: str) -> bool:
-        return pod not in self._unhealthy
+        return pod not in self._ejected and pod not in self._down
 
     def unhealthy(self) -> set[str]:
-        return set(self._unhealthy)
+        return self._ejected | self._down
 
     def success(self, pod: str) -> None:
         self._failures[pod] = 0
 
-    def failure(self, pod: str) -> None:
+    def connection_failure(self, pod: str) -> None:
         n = self._failures.get(pod, 0) + 1
         self._failures[pod] = n
-        if n >= self.max_failures and pod not in self._unhealthy:
-            self._unhealthy.add(pod)
-            log.warning("%s marked unhealthy after %d consecutive failures", pod, n)
+        if n < self.max_failures or pod in self._ejected:
+            return
+        room = max(1, int(self.max_ejection_fraction * self.pool_size())) - len(self._ejected)
+        if room <= 0:
+            log.warning("%s failed %d connections in a row; not ejected: %d pods already "
+                        "are (the bound)", pod, n, len(self._ejected))
+            return
+        self._ejected.add(pod)
+        log.warning("%s ejected after %d connection failures in a row", pod, n)
+
+    def probed(self, pod: str, ok: bool) -> None:
+        if ok:
+            self._probe_failed[pod] = 0
+            self._failures[pod] = 0
+            if pod in self._down or pod in self._ejected:
+                log.warning("%s healthy again (probe succeeded)", pod)
+            self._down.discard(pod)
+            self._ejected.discard(pod)
+            return
+        n = self._probe_failed.get(pod, 0) + 1
+        self._probe_failed[pod] = n
+        if n >= self.probe_failures and pod not in self._down:
+            self._down.add(pod)
+            log.warning("%s down: %d failed /health probes in a row", pod, n)
 
     def forget(self, pod: str) -> None:
         self._failures.pop(pod, None)
-        self._unhealthy.discard(pod)
+        self._probe_failed.pop(pod, None)
+        self._ejected.discard(pod)
+        self._down.discard(pod)
 
-    async def probe_loop(self, http: HttpPool, url_of: Callable[[str], str | None]) -> None:
+    async def probe_loop(self, http: HttpPool, pods: Callable[[], list[str]],
+                         url_of: Callable[[str], str | None]) -> None:
+        """Probe every pod, all at once, each `probe_interval_s`."""
         while True:
             await asyncio.sleep(self.probe_interval_s)
-            for pod in list(self._unhealthy):
-                url = url_of(pod)
-                if url is None:
-                    self.forget(pod)
-                    continue
-                try:
-                    ok = (await http.get(url + "/health", 1.0))[0] == 200
-                except HTTP_ERRORS:
-                    ok = False
-                except Exception:  # noqa: BLE001 -- a bug must not end the probing for good
-                    log.exception("probing %s failed", pod)
-                    ok = False
-                if ok:
-                    self.forget(pod)
-                    log.warning("%s healthy again (probe succeeded)", pod)
+            targets = [(p, u) for p in pods() if (u := url_of(p)) is not None]
+            results = await asyncio.gather(*(self._probe(http, u) for _, u in targets))
+            still = set(pods())  # (a pod removed during the probes is forgotten already)
+            for (pod, _), ok in zip(targets, results, strict=True):
+                if pod in still:
+                    self.probed(pod, ok)
+
+    async def _probe(self, http: HttpPool, url: str) -> bool:
+        try:
+            return (await http.get(url + "/health", max(1.0, self.probe_interval_s)))[0] == 200
+        except HTTP_ERRORS:
+            return False
+        except Exception:  # noqa: BLE001 -- a bug must not end the probing for good
+            log.exception("probing %s failed", url)
+            return False

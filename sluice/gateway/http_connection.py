@@ -28,8 +28,8 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 class _Reject:
     """A request refused by the server itself, answered in its turn, then close."""
 
-    def __init__(self, status: int, message: str, code: str) -> None:
-        self.response = error_response(status, message, code)
+    def __init__(self, status: int, message: str) -> None:
+        self.response = error_response(status, message)
 
 
 class Connection(asyncio.Protocol):
@@ -69,16 +69,15 @@ class Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._refuse(400, "protocol upgrades are not supported", "invalid_request")
+            self._refuse(400, "protocol upgrades are not supported")
         except httptools.HttpParserError as err:
-            self._refuse(400, f"malformed HTTP request: {err}", "invalid_request")
+            self._refuse(400, f"malformed HTTP request: {err}")
         # httptools buffers a header until its line ends: count what arrives while a
         # head is incomplete (from the read after the one it began in)
         if self._in_head and not self._began_now:
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD_BYTES:
-                self._refuse(431, f"request line and headers over {MAX_HEAD_BYTES} bytes",
-                             "header_too_large")
+                self._refuse(431, f"request line and headers over {MAX_HEAD_BYTES} bytes")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -115,8 +114,7 @@ class Connection(asyncio.Protocol):
         declared = self._headers.get("content-length")
         if declared is not None and int(declared) > self.app.max_body_bytes:
             self._too_large = True
-            self._refuse(413, f"request body over {self.app.max_body_bytes} bytes",
-                         "body_too_large")
+            self._refuse(413, f"request body over {self.app.max_body_bytes} bytes")
         elif self._headers.get("expect", "").lower() == "100-continue":
             if self.task is None and not self.queue:
                 self.write(_CONTINUE)
@@ -129,8 +127,7 @@ class Connection(asyncio.Protocol):
         self._size += len(body)
         if self._size > self.app.max_body_bytes:
             self._too_large = True
-            self._refuse(413, f"request body over {self.app.max_body_bytes} bytes",
-                         "body_too_large")
+            self._refuse(413, f"request body over {self.app.max_body_bytes} bytes")
             return
         self._body.append(body)
 
@@ -140,7 +137,7 @@ class Connection(asyncio.Protocol):
             return
         p = self.parser
         if p.should_upgrade():  # (httptools raises HttpParserUpgrade next)
-            self._refuse(400, "protocol upgrades are not supported", "invalid_request")
+            self._refuse(400, "protocol upgrades are not supported")
             return
         self._arm(None)  # a whole request came: no idle close while it is answered
         self._enqueue(Request(self, p.get_method().decode(), self._url, self._headers,
@@ -166,11 +163,11 @@ class Connection(asyncio.Protocol):
         if self.closed:
             raise ConnectionResetError("client disconnected")
 
-    def _refuse(self, status: int, message: str, code: str) -> None:
+    def _refuse(self, status: int, message: str) -> None:
         """Answer `status` after what is queued, then close (input is dropped)."""
         if not self._broken:
             self._broken = True
-            self._enqueue(_Reject(status, message, code))
+            self._enqueue(_Reject(status, message))
 
     def _enqueue(self, item: Request | _Reject) -> None:
         self.queue.append(item)
@@ -212,9 +209,9 @@ class Connection(asyncio.Protocol):
         methods = self.app.routes.get(req.path)
         handler = methods.get(req.method) if methods else None
         if handler is None:
-            resp = (error_response(404, f"no route {req.path}", "not_found") if not methods else
+            resp = (error_response(404, f"no route {req.path}") if not methods else
                     error_response(405, f"method {req.method} not allowed on {req.path}",
-                                   "method_not_allowed", headers={"allow": ", ".join(methods)}))
+                                   headers={"allow": ", ".join(methods)}))
             self.app.on_reject(resp.status)
         else:
             try:
@@ -229,7 +226,7 @@ class Connection(asyncio.Protocol):
                 self.app.on_reject(500)
                 if req._stream is not None:
                     return False  # an answer already began: cut it
-                resp = error_response(500, "internal gateway error", "internal_error")
+                resp = error_response(500, "internal gateway error")
         if req._stream is not None:
             return req._stream.ended and req.keep_alive
         req.keep_alive = req.keep_alive and not self.server.stopping
@@ -238,7 +235,7 @@ class Connection(asyncio.Protocol):
         except (ValueError, TypeError, UnicodeEncodeError):  # not sendable
             log.exception("unsendable answer to %s %s", req.method, req.path)
             self.app.on_reject(500)
-            self._send(error_response(500, "internal gateway error", "internal_error"),
+            self._send(error_response(500, "internal gateway error"),
                        req.keep_alive)
         await self.drain()  # pipelined answers wait for the client to read
         return req.keep_alive

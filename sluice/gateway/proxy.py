@@ -4,19 +4,21 @@ An answer with a known length that is not an event stream (a non-streaming
 completion) is read whole and sent in one write; anything else (SSE) is relayed
 chunk by chunk as it arrives, never buffered.
 
-Failure handling:
-- connect error, 5xx or 429 before the first byte: the pod is skipped and the
-  request re-routed to the next best pod, at most `max_retries` times (connect
-  errors and 5xx count toward the pod's unhealthy mark; 429 does not);
+Failure handling (pod health itself is `health.HealthTracker`'s):
+- connect error before any answer: a connection failure of the pod; the
+  request is re-routed to the next best pod, at most `max_retries` times;
+- 429: the pod is busy; re-routed the same way;
+- 5xx: re-routed once; a second 5xx is relayed as it is. An error that the
+  same request gets from two pods is the request's, so it is neither retried
+  across the pool nor held against a pod. A 429 or 5xx with no pod left to
+  try is relayed as it is;
 - read timeout before the first byte: 504, not retried (the engine may still
-  be working on it);
-- no pod left: 503 (429 when every pod tried answered 429), with Retry-After;
+  be working on it), a connection failure of the pod;
+- no pod reachable: 503 with Retry-After;
 - the pod dies while its answer is read: a buffered answer becomes a 502; a
   relayed SSE stream gets an OpenAI-shaped error event and ends. Only whole
   events are relayed (a partial one waits for its end), so the error event
   never lands inside one;
-- a pod counts as healthy again only when an answer has been relayed whole:
-  one that sends its head and then fails every time is marked unhealthy;
 - client disconnect: the server cancels the handler (or the next write fails
   with ConnectionResetError), and the upstream connection is closed, not pooled,
   so the engine sees the disconnect and aborts the request.
@@ -31,9 +33,9 @@ from dataclasses import dataclass
 
 from sluice.gateway.errors import error_response, sse_error
 from sluice.gateway.health import HealthTracker
+from sluice.gateway.http_app import Request
 from sluice.gateway.http_client import Connection, ConnectTimeout, ReadTimeout, UpstreamError
 from sluice.gateway.http_pool import HttpPool
-from sluice.gateway.http_app import Request
 from sluice.gateway.http_wire import Response
 from sluice.gateway.inflight import Attempt, InFlight
 from sluice.gateway.metrics import GatewayMetrics
@@ -42,7 +44,6 @@ from sluice.gateway.routing.router import Decision
 log = logging.getLogger("sluice.gateway.proxy")
 
 RouteFn = Callable[[frozenset[str]], Awaitable[Decision | None]]
-ERROR_TEXT_WAIT_S = 1.0  # for the body of a 5xx / 429 (its text goes into ours)
 MAX_PARTIAL_EVENT = 1 << 20  # bytes of an unfinished SSE event held back, at most
 
 
@@ -84,19 +85,24 @@ class Proxy:
         """The answer to send (None: it was streamed to the client already)."""
         tried: set[str] = set()
         last_error = "no healthy engine for this model"
-        busy = 0  # attempts answered 429
+        server_errors = 0  # attempts answered 5xx
+
+        async def again(n: int) -> Decision | None:
+            """The pod for attempt n + 1; None when the retry budget or the pool is spent."""
+            return await route(frozenset(tried)) if n < self.cfg.max_retries else None
+
+        decision = await route(frozenset())
         for n in range(self.cfg.max_retries + 1):
-            decision = await route(frozenset(tried))
             if decision is None:
                 break
             pod = decision.pod
+            tried.add(pod)
             url = self.url_of(pod)
             if url is None:
-                tried.add(pod)
+                decision = await again(n)
                 continue
             if n:
                 self.metrics.retries.inc()
-            tried.add(pod)
             attempt = self.flight.start(decision)
             started = time.perf_counter()
             try:
@@ -107,52 +113,44 @@ class Proxy:
                 attempt.done()
                 self._failed(pod, "connect_timeout", started)
                 last_error = f"engine {pod} did not accept the connection"
+                decision = await again(n)
                 continue
             except ReadTimeout:
                 # silent past read_timeout: not retried (it may still be working on
-                # the request), but counted, so a hung pod ends up marked unhealthy
+                # the request), but counted, so a hung pod ends up ejected
                 attempt.done()
                 self._failed(pod, "upstream_timeout", started)
-                return error_response(504, f"engine {pod} did not answer in time", "timeout",
+                return error_response(504, f"engine {pod} did not answer in time",
                                       headers=decision_headers(decision))
             except UpstreamError as err:
                 attempt.done()
                 self._failed(pod, "connect", started)
                 last_error = f"engine {pod} unreachable: {err}"
+                decision = await again(n)
                 continue
             except BaseException:  # the client left before the answer began (cancelled)
                 attempt.done()     # or a bug: either way the pod is released
                 raise
-            if resp.status >= 500 or resp.status == 429:
-                try:
-                    text = (await resp.chunk(min(self.cfg.read_timeout_s,
-                                                 ERROR_TEXT_WAIT_S)))[:500].decode(
-                        errors="replace")
-                except UpstreamError:
-                    text = ""
-                finally:
-                    resp.close()
-                    attempt.done()
-                if resp.status == 429:
-                    busy += 1
-                    self.metrics.errors.labels("upstream_429").inc()
-                    self._observe(pod, started)
-                else:
-                    self._failed(pod, "upstream_5xx", started)
-                last_error = f"engine {pod} answered {resp.status}: {text}"
-                continue
-            self.metrics.child(self.metrics.ttfb, pod).observe(time.perf_counter() - started)
-            return await self._relay(request, resp, decision, started, attempt)
+            if resp.status == 429:
+                self.metrics.errors.labels("upstream_429").inc()
+            elif resp.status >= 500:
+                self.metrics.errors.labels("upstream_5xx").inc()
+                server_errors += 1
+            retry = resp.status == 429 or resp.status >= 500 and server_errors == 1
+            nxt = await again(n) if retry else None
+            if nxt is None:  # relayed as it is: a success, or the last word on an error
+                self.metrics.child(self.metrics.ttfb, pod).observe(time.perf_counter() - started)
+                return await self._relay(request, resp, decision, started, attempt)
+            resp.close()
+            attempt.done()
+            self._observe(pod, started)
+            decision = nxt
         self.metrics.errors.labels("no_pod").inc()
-        if busy and busy == len(tried):  # every engine tried is overloaded: say so
-            return error_response(429, last_error, "rate_limit_exceeded",
-                                  headers={"retry-after": "1"})
-        return error_response(503, last_error, "service_unavailable",
-                              headers={"retry-after": "1"})
+        return error_response(503, last_error, headers={"retry-after": "1"})
 
     def _failed(self, pod: str, kind: str, started: float) -> None:
         self.metrics.errors.labels(kind).inc()
-        self.health.failure(pod)
+        self.health.connection_failure(pod)
         self._observe(pod, started)
 
     def _observe(self, pod: str, started: float) -> None:
@@ -162,7 +160,7 @@ class Proxy:
     async def _relay(self, request: Request, resp: Connection, d: Decision,
                      started: float, attempt: Attempt) -> Response | None:
         headers = decision_headers(d)
-        for name in ("content-type", "content-encoding", "x-request-id"):
+        for name in ("content-type", "content-encoding", "x-request-id", "retry-after"):
             if name in resp.headers:
                 headers[name] = resp.headers[name]
         sse = resp.headers.get("content-type", "").startswith("text/event-stream")
@@ -175,7 +173,7 @@ class Proxy:
                 except UpstreamError as err:
                     self._failed_mid_stream(d.pod, err)
                     return error_response(502, f"engine {d.pod} failed while answering: "
-                                               f"{err}", "upstream_error", headers=headers)
+                                               f"{err}", headers=headers)
                 eof = True
                 attempt.prefilled()
                 return Response(resp.status, data, headers)
@@ -188,7 +186,7 @@ class Proxy:
                     self._failed_mid_stream(d.pod, err)
                     if sse:  # the client learns why, then the stream ends properly
                         await out.write(sse_error(502, f"engine {d.pod} failed mid-stream: "
-                                                       f"{err}", "upstream_error"))
+                                                       f"{err}"))
                         out.end()
                     return None  # (other bodies are cut: the client sees them truncated)
                 if not chunk:
@@ -218,5 +216,5 @@ class Proxy:
 
     def _failed_mid_stream(self, pod: str, err: BaseException) -> None:
         self.metrics.errors.labels("mid_stream").inc()
-        self.health.failure(pod)
+        self.health.connection_failure(pod)
         log.warning("engine %s failed mid-stream: %s", pod, type(err).__name__)
