@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,12 +35,13 @@ from sluice.gateway.load import LoadScraper, LoadTable
 from sluice.gateway.local_index import LocalIndex, LocalIndexConfig
 from sluice.gateway.metrics import GatewayMetrics
 from sluice.gateway.prefix_index import PrefixIndex
-from sluice.gateway.prompt import PromptTokenizer, is_token_id
+from sluice.gateway.prompt import PromptTokenizer
 from sluice.gateway.proxy import Proxy, ProxyConfig
 from sluice.gateway.redis_index import RedisIndex
 from sluice.gateway.registry import PodRegistry
 from sluice.gateway.routing.config import RoutingConfig
 from sluice.gateway.routing.router import Decision, Router
+from sluice.gateway.server.requests import BadRequest, parse_request
 from sluice.gateway.spec_mirror import SpecMirror
 
 log = logging.getLogger("sluice.gateway")
@@ -150,16 +150,11 @@ class Gateway:
 
     # -- request path ----------------------------------------------------------------------
     async def handle(self, request: Request, kind: str) -> Response | None:
-        body = request.body
         try:
-            data = json.loads(body, parse_constant=_not_json)
-        except (ValueError, UnicodeDecodeError, RecursionError) as err:
+            data = parse_request(kind, request.body)
+        except BadRequest as err:
             self.metrics.errors.labels("bad_request").inc()
-            return error_response(400, f"request body is not valid JSON: {err}")
-        problem = _validate(kind, data) or _lone_surrogate(body, data)
-        if problem is not None:
-            self.metrics.errors.labels("bad_request").inc()
-            return error_response(400, problem[1], problem[0])
+            return error_response(400, err.message, err.param)
         model = data["model"]
         if not self.registry.serves(model):
             if self.registry.may_serve(model):  # known, but no engine of it is ready
@@ -195,7 +190,7 @@ class Gateway:
             if value is not None:
                 headers[name] = value
         path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-        return await self.proxy.forward(request, path, body, headers, route)
+        return await self.proxy.forward(request, path, request.body, headers, route)
 
     def models_body(self) -> dict[str, Any]:
         return {"object": "list", "data": [
@@ -220,68 +215,7 @@ class Gateway:
         return generate_latest(self.metrics.registry)
 
 
-def _validate(kind: str, data: Any) -> tuple[str, str] | None:
-    """(param, message) of the first problem, or None."""
-    if not isinstance(data, dict):
-        return "body", "request body must be a JSON object"
-    if not isinstance(data.get("model"), str) or not data["model"]:
-        return "model", "'model' is required and must be a string"
-    if kind == "chat":
-        msgs = data.get("messages")
-        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
-            return "messages", "'messages' must be a non-empty list of objects"
-    elif not _is_prompt(data.get("prompt")):
-        return "prompt", ("'prompt' is required: a string, a list of strings, a list of "
-                          "token ids (0 to 2^32-1) or a list of such lists, not empty")
-    if "stream" in data and not isinstance(data["stream"], bool):
-        return "stream", "'stream' must be a boolean"
-    return None
-
-
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
-
-
-def _lone_surrogate(body: bytes, data: Any) -> tuple[str, str] | None:
-    """A string holding a lone UTF-16 surrogate (JSON `"\\ud800"`): no tokenizer
-    takes it. Raw UTF-8 cannot encode one (json.loads refuses it), so only a body
-    with a surrogate escape needs the walk."""
-    if _SURROGATE_ESCAPE.search(body) is None:
-        return None
-    stack = [data]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, str):
-            try:
-                x.encode()
-            except UnicodeEncodeError:
-                return "body", "text holds a lone UTF-16 surrogate, which is not valid Unicode"
-        elif isinstance(x, dict):
-            stack.extend(x.keys())
-            stack.extend(x.values())
-        elif isinstance(x, list):
-            stack.extend(x)
-    return None
-
-
-def _is_prompt(p: Any) -> bool:
-    """A string or a non-empty list of strings, token ids or lists of ids (the
-    engine judges the element types); nothing nested deeper; integer ids must
-    fit 0 .. 2^32-1."""
-    if isinstance(p, str):
-        return True
-    if not isinstance(p, list) or not p:
-        return False
-    ids = [t for x in p for t in (x if isinstance(x, list) else [x])]
-    if any(isinstance(t, (list, dict)) for t in ids):
-        return False
-    return all(is_token_id(t) for t in ids if isinstance(t, int) and not isinstance(t, bool))
-
-
 GATEWAY = "gateway"  # app.state key of the Gateway
-
-
-def _not_json(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")  # (Python's json module accepts NaN, Infinity)
 
 
 def _json(body: Any, status: int = 200) -> Response:

@@ -14,6 +14,15 @@ log = logging.getLogger("sluice.gateway")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--max-body-bytes", type=int, default=10 * 1024 * 1024)
+    p.add_argument("--max-retries", type=int, default=2)
+    p.add_argument("--connect-timeout", type=float, default=2.0)
+    p.add_argument("--read-timeout", type=float, default=300.0)
+    add_routing_arguments(p)
+
+
+def add_routing_arguments(p: argparse.ArgumentParser) -> None:
+    """Discovery, index, load and routing: shared by `sluice gateway` and `sluice epp`."""
     p.add_argument("--engine", action="append", default=[], metavar="SPEC",
                    help="static engine: URL[,events=tcp://h:5557][,replay=tcp://h:5558]"
                         "[,model=NAME][,pool=P] (repeatable)")
@@ -48,10 +57,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(other replicas see them that much later; this one at once)")
     p.add_argument("--block-size", type=int, default=d.default_block_size,
                    help="block size assumed until an engine reports its own")
-    p.add_argument("--max-body-bytes", type=int, default=10 * 1024 * 1024)
-    p.add_argument("--max-retries", type=int, default=2)
-    p.add_argument("--connect-timeout", type=float, default=2.0)
-    p.add_argument("--read-timeout", type=float, default=300.0)
     p.add_argument("--max-failures", type=int, default=3,
                    help="connection failures in a row that eject a pod until a probe passes")
     p.add_argument("--max-ejection-fraction", type=float, default=0.5,
@@ -68,7 +73,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build(args: argparse.Namespace):
     """The gateway's HTTP app for these arguments."""
-    from sluice.gateway.app import Gateway, GatewayConfig, create_app
+    from sluice.gateway.app import Gateway, create_app
+    from sluice.gateway.proxy import ProxyConfig
+
+    cfg, discovery, tokenizer = routing_parts(args, ProxyConfig(
+        args.max_retries, args.connect_timeout, args.read_timeout), args.max_body_bytes)
+    return create_app(Gateway(cfg, discovery, tokenizer))
+
+
+def routing_parts(args: argparse.Namespace, proxy=None, max_body_bytes: int = 10 << 20):
+    """(GatewayConfig, Discovery, PromptTokenizer) for `add_routing_arguments`' flags."""
+    from sluice.gateway.app import GatewayConfig
     from sluice.gateway.discovery import StaticDiscovery, parse_engine_spec
     from sluice.gateway.prompt import PromptTokenizer
     from sluice.gateway.proxy import ProxyConfig
@@ -80,9 +95,7 @@ def build(args: argparse.Namespace):
         kv_ceiling=args.kv_ceiling, cold_spread=args.cold_spread,
         speculative_ttl_ms=args.speculative_ttl_ms, default_block_size=args.block_size)
     cfg = GatewayConfig(routing=routing, redis_url=args.redis_url,
-                        proxy=ProxyConfig(args.max_retries, args.connect_timeout,
-                                          args.read_timeout),
-                        max_body_bytes=args.max_body_bytes,
+                        proxy=proxy or ProxyConfig(), max_body_bytes=max_body_bytes,
                         scrape_interval_s=args.scrape_interval, load_ttl_ms=args.load_ttl_ms,
                         max_failures=args.max_failures, probe_interval_s=args.probe_interval,
                         max_ejection_fraction=args.max_ejection_fraction,
@@ -94,11 +107,9 @@ def build(args: argparse.Namespace):
         discovery = KubernetesDiscovery(args.namespace, args.pool)
     else:
         if not args.engine:
-            raise SystemExit("sluice gateway: give at least one --engine (or --discovery "
-                             "kubernetes)")
+            raise SystemExit("give at least one --engine (or --discovery kubernetes)")
         discovery = StaticDiscovery([parse_engine_spec(s) for s in args.engine])
-    tokenizer = PromptTokenizer.from_paths(args.tokenizer)
-    return create_app(Gateway(cfg, discovery, tokenizer))
+    return cfg, discovery, PromptTokenizer.from_paths(args.tokenizer)
 
 
 def raise_open_files_limit() -> None:

@@ -56,6 +56,7 @@ class Decision:
     reason: str
     spec_keys: tuple[str, ...] = ()  # written as speculative entries (kv_aware)
     prefill_tokens: int = 0          # the prompt's tokens the pod must compute
+    fallbacks: tuple[str, ...] = ()  # the other healthy pods, best first (retries)
 
 
 class Router:
@@ -101,8 +102,10 @@ class Router:
         if not cands:
             return None
         if strategy == "round_robin":
-            pod = cands[next(self._rr) % len(cands)].pod
-            return Decision(pod, strategy, 0, 0, self.index_mode(), "round robin")
+            i = next(self._rr) % len(cands)
+            order = [c.pod for c in cands[i:] + cands[:i]]
+            return Decision(order[0], strategy, 0, 0, self.index_mode(), "round robin",
+                            fallbacks=tuple(order[1:]))
         keys_by: dict[tuple[str, int], list[str]] = {}
         for c in cands:
             bs = c.block_size = self.block_size_of(c.pod) or self.cfg.default_block_size
@@ -125,6 +128,7 @@ class Router:
             c.pending_prefill = self.pending_prefill(c.pod)
             m = self.loads.metrics(c.pod)
             c.num_blocks = m.num_gpu_blocks if m is not None else None
+        healthy = cands
         for f in self.soft_filters:
             cands = f(cands, self.cfg)
         scores = weighted(cands, self.parts[strategy])
@@ -139,7 +143,8 @@ class Router:
                 f"kv={c.kv_usage} room={c.cache_room} score={s:.3f}"
                 for c, s in zip(cands, scores)))
         return Decision(chosen.pod, strategy, chosen.hit_blocks, chosen.total_blocks,
-                        self.index_mode(), reason, spec_keys, chosen.uncached_tokens)
+                        self.index_mode(), reason, spec_keys, chosen.uncached_tokens,
+                        _fallbacks(chosen, cands, scores, healthy))
 
     async def _fill_hits(self, strategy: str, cands: list[Candidate],
                          keys_by: dict[tuple[str, int], list[str]]
@@ -184,3 +189,13 @@ class Router:
         """The decision's speculative entries last `speculative_ttl_ms` from now."""
         if d.spec_keys and self.index is not None:
             self.index.speculate(d.pod, list(d.spec_keys), self.cfg.speculative_ttl_ms)
+
+
+def _fallbacks(chosen: Candidate, cands: list[Candidate], scores: list[float],
+               healthy: list[Candidate]) -> tuple[str, ...]:
+    """The pods to try after `chosen`: those the soft filters kept, by score, then
+    the healthy ones they had set aside (better an overloaded pod than none)."""
+    ranked = [c.pod for _, c in sorted(zip(scores, cands, strict=True), key=lambda sc: -sc[0])]
+    kept = set(ranked)
+    order = ranked + [c.pod for c in healthy if c.pod not in kept]
+    return tuple(p for p in order if p != chosen.pod)

@@ -1,0 +1,66 @@
+"""`sluice epp`: the endpoint picker (GIE's ext_proc protocol) for Envoy."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import logging
+import signal
+
+from sluice.gateway.cli import add_routing_arguments, raise_open_files_limit, routing_parts
+from sluice.gateway.server.picker import PickerConfig
+
+log = logging.getLogger("sluice.gateway.epp")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--grpc-port", type=int, default=9002, help="ext_proc and gRPC health")
+    p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus (0: none)")
+    d = PickerConfig()
+    p.add_argument("--max-fallbacks", type=int, default=d.max_fallbacks,
+                   help="endpoints named after the chosen one, for the data plane's retries")
+    p.add_argument("--shed-waiting", type=int, default=d.shed_waiting,
+                   help="429 when every eligible engine has this many requests waiting")
+    add_routing_arguments(p)
+
+
+def default_tokenizer_specs(args: argparse.Namespace) -> list[str]:
+    """`--tokenizer` as given; else, for prefix routing, the bundled default model's."""
+    if args.tokenizer or args.routing not in ("prefix", "kv_aware"):
+        return args.tokenizer
+    from sluice.default_model import ModelNotFoundError, resolve_default_model
+
+    try:
+        return [resolve_default_model()]
+    except ModelNotFoundError as err:
+        raise SystemExit(f"sluice epp: --routing {args.routing} needs a tokenizer: give "
+                         f"--tokenizer [MODEL=]PATH ({err})") from None
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    from sluice.gateway.app import Gateway
+    from sluice.gateway.server.grpc_server import PickerServer
+
+    args.tokenizer = default_tokenizer_specs(args)
+    cfg, discovery, tokenizer = routing_parts(args)
+    server = PickerServer(Gateway(cfg, discovery, tokenizer),
+                          PickerConfig(args.max_fallbacks, args.shed_waiting),
+                          args.host, args.grpc_port, args.metrics_port)
+    await server.start()
+    gc.freeze()  # start-up's objects out of the collector's reach (p99: docs/benchmarks.md)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop()
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    raise_open_files_limit()
+    asyncio.run(_serve(args))  # (grpc.aio runs on asyncio's own loop, not uvloop)
+    return 0

@@ -1,0 +1,129 @@
+"""`envoy.service.ext_proc.v3.ExternalProcessor`: one gRPC stream per HTTP request.
+
+Envoy (configured by `sluice.gateway.envoy.bootstrap`) sends the request's
+headers, then its whole body (BUFFERED), then the response's headers:
+
+- request headers: GET /v1/models, GET /health and unknown paths are answered
+  at once (ImmediateResponse); for the two completion routes the picker only
+  strips any client-sent destination header (a client must never choose the
+  pod) and waits for the body;
+- request body: `EndpointPicker.pick` → the endpoints in the destination header
+  and `envoy.lb` metadata, route cache cleared; or an OpenAI-shaped 4xx/5xx;
+- response headers: the endpoint that really served (`envoy.lb` metadata key
+  `x-gateway-destination-endpoint-served`) takes over the in-flight accounting,
+  and `x-sluice-pod` / `x-sluice-prefix-hit-blocks` are added;
+- the stream ends when Envoy is done with the HTTP request (answered, reset,
+  client gone): the request's in-flight accounting ends there.
+
+State: each stream owns its `_Exchange`; shared state is the picker's, and
+every coroutine runs on the one event loop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from sluice.gateway.inflight import Attempt
+from sluice.gateway.routing.router import Decision
+from sluice.gateway.server import messages as msg
+from sluice.gateway.server.picker import ROUTES, EndpointPicker, Pick
+
+log = logging.getLogger("sluice.gateway.ext_proc")
+
+
+class _Exchange:
+    """What one HTTP request's stream has learnt so far."""
+
+    __slots__ = ("attempt", "decision", "kind", "subset")
+
+    def __init__(self) -> None:
+        self.kind: str | None = None
+        self.subset: frozenset[str] | None = None  # the data plane's subset hint
+        self.decision: Decision | None = None
+        self.attempt: Attempt | None = None
+
+
+def decision_headers(d: Decision, pod: str) -> dict[str, str]:
+    return {"x-sluice-pod": pod, "x-sluice-prefix-hit-blocks": str(d.hit_blocks if
+                                                                   pod == d.pod else 0),
+            "x-sluice-prompt-blocks": str(d.total_blocks), "x-sluice-strategy": d.strategy,
+            "x-sluice-index": d.index_mode}
+
+
+class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
+    def __init__(self, picker: EndpointPicker) -> None:
+        self.picker = picker
+
+    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],  # noqa: N802
+                      context) -> AsyncIterator[pb.ProcessingResponse]:
+        ex = _Exchange()
+        try:
+            async for req in request_iterator:
+                phase = req.WhichOneof("request")
+                if phase == "request_headers":
+                    yield self._request_headers(ex, req)
+                elif phase == "request_body":
+                    if req.request_body.end_of_stream:
+                        yield await self._request_body(ex, req)
+                    else:  # (streamed bodies are not configured; refuse rather than guess)
+                        yield msg.immediate_error(400, "the request body must be buffered")
+                elif phase == "response_headers":
+                    yield self._response_headers(ex, req)
+                elif phase == "response_body":
+                    yield pb.ProcessingResponse(response_body=pb.BodyResponse())
+                elif phase == "request_trailers":
+                    yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+                elif phase == "response_trailers":
+                    yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+        finally:
+            if ex.attempt is not None:
+                ex.attempt.done()
+
+    def _request_headers(self, ex: _Exchange, req: pb.ProcessingRequest) -> pb.ProcessingResponse:
+        headers = msg.header_map(req.request_headers)
+        method, path = headers.get(":method", ""), headers.get(":path", "").split("?", 1)[0]
+        kind = ROUTES.get(path)
+        if kind is not None and method == "POST":
+            if req.request_headers.end_of_stream:
+                return msg.immediate_error(400, "request body is empty")
+            ex.kind = kind
+            ex.subset = msg.subset_hint(req)
+            return msg.continue_request_headers(remove=(msg.DESTINATION,))
+        core = self.picker.core
+        if path == "/v1/models" and method == "GET":
+            return msg.immediate(200, json.dumps(core.models_body()).encode())
+        if path == "/health" and method == "GET":
+            status, body = core.health_body()
+            return msg.immediate(status, json.dumps(body).encode())
+        if kind is not None or path in ("/v1/models", "/health"):
+            return msg.immediate_error(405, f"method {method} not allowed on {path}")
+        core.metrics.errors.labels("not_found").inc()
+        return msg.immediate_error(404, f"no route {path}")
+
+    async def _request_body(self, ex: _Exchange, req: pb.ProcessingRequest
+                            ) -> pb.ProcessingResponse:
+        if ex.kind is None:  # a body on a request already answered
+            return pb.ProcessingResponse(request_body=pb.BodyResponse())
+        subset = msg.subset_hint(req)  # (on every message, or on the headers' only)
+        result = await self.picker.pick(ex.kind, req.request_body.body,
+                                        ex.subset if subset is None else subset)
+        if not isinstance(result, Pick):
+            return msg.immediate_error(result.status, result.message, result.param,
+                                       result.retry_after)
+        ex.decision = result.decision
+        ex.attempt = self.picker.start(result.decision)
+        return msg.route_to(result.endpoints, after_body=True)
+
+    def _response_headers(self, ex: _Exchange, req: pb.ProcessingRequest
+                          ) -> pb.ProcessingResponse:
+        if ex.decision is None or ex.attempt is None:
+            return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+        served = msg.metadata_string(req, msg.LB_NAMESPACE, msg.SERVED) or ex.decision.pod
+        ex.attempt = self.picker.served(ex.attempt, served)
+        ex.attempt.prefilled()  # (the answer began: its prefill is no longer pending)
+        return msg.add_response_headers(decision_headers(ex.decision, served))

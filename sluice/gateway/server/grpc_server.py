@@ -1,0 +1,65 @@
+"""The picker's gRPC server: ext_proc plus gRPC health, as GIE defines them.
+
+Health services (grpc.health.v1): `liveness` serves from the start; `readiness`,
+the overall "" and `envoy.service.ext_proc.v3.ExternalProcessor` serve once the
+routing core has started (discovery, feeds and scrapes running). The picker's
+Prometheus metrics are served on their own HTTP port (`metrics_port`; 0: none).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from sluice.gateway.app import Gateway
+from sluice.gateway.server.ext_proc import ExternalProcessor
+from sluice.gateway.server.picker import EndpointPicker, PickerConfig
+
+log = logging.getLogger("sluice.gateway.epp")
+
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class PickerServer:
+    """Owns the routing core's lifetime and the gRPC server on the event loop."""
+
+    def __init__(self, core: Gateway, cfg: PickerConfig = PickerConfig(),
+                 host: str = "0.0.0.0", port: int = 9002, metrics_port: int = 0) -> None:
+        self.core = core
+        self.picker = EndpointPicker(core, cfg)
+        self.health = HealthServicer()
+        self.server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", 64 << 20),  # Envoy's buffered bodies
+            ("grpc.so_reuseport", 0)])
+        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.picker),
+                                                        self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if not self.port:
+            raise OSError(f"the picker cannot listen on {host}:{port}")
+        self.metrics_port = metrics_port
+
+    async def start(self) -> None:
+        await self.health.set("liveness", _SERVING)
+        for name in ("readiness", "", EXT_PROC_SERVICE):
+            await self.health.set(name, _NOT_SERVING)
+        await self.server.start()
+        await self.core.start()
+        if self.metrics_port:
+            from prometheus_client import start_http_server
+
+            start_http_server(self.metrics_port, registry=self.core.metrics.registry)
+        for name in ("readiness", "", EXT_PROC_SERVICE):
+            await self.health.set(name, _SERVING)
+        log.info("endpoint picker serving ext_proc on port %d", self.port)
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+        await self.core.stop()

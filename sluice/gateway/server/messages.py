@@ -1,0 +1,95 @@
+"""Envoy ext_proc messages the picker sends (built from xds-protos, nothing by hand).
+
+GIE's contract (docs: ../shared/ANCHORS.md, "Gateway API Inference Extension"):
+the chosen `ip:port` and its fallbacks, comma-separated, go in the request header
+`x-gateway-destination-endpoint` *and* in dynamic metadata `envoy.lb` under the
+same key, identical; the route cache is cleared so Envoy routes on them.
+"""
+
+from __future__ import annotations
+
+from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3.http_status_pb2 import HttpStatus
+from google.protobuf.struct_pb2 import Struct
+
+from sluice.openai_error import error_json
+
+DESTINATION = "x-gateway-destination-endpoint"
+SERVED = "x-gateway-destination-endpoint-served"
+SUBSET = "x-gateway-destination-endpoint-subset"
+LB_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+_OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def header_map(msg: pb.HttpHeaders) -> dict[str, str]:
+    """Lower-case names (Envoy sends them so); Envoy fills raw_value, older ones value."""
+    return {h.key: h.raw_value.decode("latin-1") if h.raw_value else h.value
+            for h in msg.headers.headers}
+
+
+def _set(headers: dict[str, str]) -> list[HeaderValueOption]:
+    return [HeaderValueOption(header=HeaderValue(key=k, raw_value=v.encode("latin-1")),
+                              append_action=_OVERWRITE) for k, v in headers.items()]
+
+
+def continue_request_headers(remove: tuple[str, ...] = ()) -> pb.ProcessingResponse:
+    mutation = pb.HeaderMutation(remove_headers=list(remove))
+    return pb.ProcessingResponse(request_headers=pb.HeadersResponse(
+        response=pb.CommonResponse(header_mutation=mutation)))
+
+
+def route_to(endpoints: tuple[str, ...], after_body: bool) -> pb.ProcessingResponse:
+    """Send the request to `endpoints[0]`, then the others in order on retries."""
+    assert endpoints and all(":" in e for e in endpoints), endpoints
+    value = ",".join(endpoints)
+    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=_set(
+        {DESTINATION: value})), clear_route_cache=True)
+    metadata = Struct()
+    metadata.update({LB_NAMESPACE: {DESTINATION: value}})
+    if after_body:
+        return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common),
+                                     dynamic_metadata=metadata)
+    return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common),
+                                 dynamic_metadata=metadata)
+
+
+def add_response_headers(headers: dict[str, str]) -> pb.ProcessingResponse:
+    mutation = pb.HeaderMutation(set_headers=_set(headers))
+    return pb.ProcessingResponse(response_headers=pb.HeadersResponse(
+        response=pb.CommonResponse(header_mutation=mutation)))
+
+
+def immediate(status: int, body: bytes, headers: dict[str, str] | None = None,
+              details: str = "") -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=HttpStatus(code=status), body=body, details=details,
+        headers=pb.HeaderMutation(set_headers=_set(
+            {"content-type": "application/json", **(headers or {})}))))
+
+
+def immediate_error(status: int, message: str, param: str | None = None,
+                    retry_after: int | None = None) -> pb.ProcessingResponse:
+    """An OpenAI-shaped error answered by Envoy on the picker's word."""
+    headers = {"retry-after": str(retry_after)} if retry_after is not None else {}
+    return immediate(status, error_json(status, message, param), headers,
+                     details=f"sluice_picker_{status}")
+
+
+def metadata_string(req: pb.ProcessingRequest, namespace: str, key: str) -> str | None:
+    ns = req.metadata_context.filter_metadata.get(namespace)
+    if ns is None or key not in ns.fields:
+        return None
+    return ns.fields[key].string_value or None
+
+
+def subset_hint(req: pb.ProcessingRequest) -> frozenset[str] | None:
+    """The data plane's `envoy.lb.subset_hint` endpoints; None: no hint given."""
+    ns = req.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
+    if ns is None or SUBSET not in ns.fields:
+        return None
+    value = ns.fields[SUBSET]
+    if value.HasField("list_value"):
+        return frozenset(v.string_value for v in value.list_value.values if v.string_value)
+    return frozenset(e.strip() for e in value.string_value.split(",") if e.strip())

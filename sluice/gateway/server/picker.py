@@ -1,0 +1,136 @@
+"""The endpoint picker's decision for one request, free of any wire protocol.
+
+`pick(kind, body, subset)`:
+1. the body is checked (`requests.parse_request`): 400 on anything malformed;
+2. the model selects the pool: 404 for a model no engine ever served, 503 with
+   Retry-After when none of its engines is ready;
+3. the subset hint, when the data plane gives one, narrows the pool: an empty
+   or ineligible subset is a 503;
+4. shedding: when every eligible pod's waiting queue is at `shed_waiting`, 429
+   with Retry-After (the engines would queue it or refuse it themselves);
+5. the prompt is tokenized (prefix and kv_aware only; large prompts off the
+   event loop) and the router chooses: the pod, then up to `max_fallbacks`
+   others, best first.
+
+In-flight accounting (`InFlight`) follows the pod that really served: the data
+plane reports it with the response, and `served()` moves the attempt there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+from sluice.gateway.app import Gateway
+from sluice.gateway.inflight import Attempt
+from sluice.gateway.routing.router import Decision
+from sluice.gateway.server.requests import BadRequest, parse_request
+
+log = logging.getLogger("sluice.gateway.picker")
+
+ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+INLINE_TOKENIZE_BYTES = 16 * 1024  # larger bodies are tokenized on a worker thread
+
+
+@dataclass(frozen=True)
+class PickerConfig:
+    max_fallbacks: int = 2  # endpoints after the primary (Envoy's retries use them)
+    shed_waiting: int = 1024  # every pod this deep in waiting requests: 429
+
+    def __post_init__(self) -> None:
+        assert self.max_fallbacks >= 0 and self.shed_waiting >= 1
+
+
+@dataclass(frozen=True)
+class Rejection:
+    status: int
+    message: str
+    param: str | None = None
+    retry_after: int | None = None
+
+
+@dataclass(frozen=True)
+class Pick:
+    decision: Decision
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        return (self.decision.pod, *self.decision.fallbacks)
+
+
+class EndpointPicker:
+    def __init__(self, core: Gateway, cfg: PickerConfig = PickerConfig()) -> None:
+        self.core = core
+        self.cfg = cfg
+
+    async def pick(self, kind: str, body: bytes,
+                   subset: frozenset[str] | None = None) -> Pick | Rejection:
+        core = self.core
+        try:
+            data = parse_request(kind, body)
+        except BadRequest as err:
+            core.metrics.errors.labels("bad_request").inc()
+            return Rejection(400, err.message, err.param)
+        model = data["model"]
+        pods = core.registry.pods_for(model)
+        if not pods:
+            if core.registry.may_serve(model):
+                core.metrics.errors.labels("no_pod").inc()
+                return Rejection(503, f"no engine of model {model!r} is ready", retry_after=1)
+            core.metrics.errors.labels("unknown_model").inc()
+            return Rejection(404, f"The model `{model}` does not exist.", "model")
+        if subset is not None:
+            pods = [p for p in pods if p in subset]
+            if not pods:
+                core.metrics.errors.labels("no_pod").inc()
+                return Rejection(503, "no eligible engine in the endpoint subset",
+                                 retry_after=1)
+        if self._saturated(pods):
+            core.metrics.errors.labels("shed").inc()
+            return Rejection(429, f"every engine of {model!r} has {self.cfg.shed_waiting} "
+                                  "or more requests waiting", retry_after=1)
+        started = time.perf_counter()
+        token_ids = await self._token_ids(kind, data, len(body))
+        salt = data.get("cache_salt")
+        d = await core.router.route(model, token_ids or [], pods, frozenset(),
+                                    salt if isinstance(salt, str) else None)
+        if d is None:
+            core.metrics.errors.labels("no_pod").inc()
+            return Rejection(503, "no healthy engine for this model", retry_after=1)
+        core.metrics.route_seconds.observe(time.perf_counter() - started)
+        core.metrics.decided(d.strategy, d.pod, d.hit_blocks, d.total_blocks)
+        return Pick(dataclasses.replace(d, fallbacks=d.fallbacks[:self.cfg.max_fallbacks]))
+
+    def _saturated(self, pods: list[str]) -> bool:
+        fresh = self.core.loads.fresh(time.time() * 1000)
+        rows = [fresh.get(p) for p in pods]
+        return all(r is not None and r["waiting"] >= self.cfg.shed_waiting for r in rows)
+
+    async def _token_ids(self, kind: str, data: dict, size: int) -> list[int] | None:
+        core = self.core
+        if core.cfg.routing.strategy not in ("prefix", "kv_aware"):
+            return None
+        try:
+            if size > INLINE_TOKENIZE_BYTES:
+                return await asyncio.to_thread(core.tokenizer.token_ids, kind, data)
+            return core.tokenizer.token_ids(kind, data)
+        except Exception as err:  # noqa: BLE001 -- the engine judges the prompt itself
+            core.metrics.errors.labels("tokenize").inc()
+            log.debug("tokenization failed (%s); routing without prefix", err)
+            return None
+
+    def start(self, d: Decision) -> Attempt:
+        return self.core.proxy.flight.start(d)
+
+    def served(self, attempt: Attempt, pod: str) -> Attempt:
+        """The data plane says `pod` served: the attempt moves there if it differs."""
+        if pod == attempt.d.pod or not pod:
+            return attempt
+        attempt.done()
+        self.core.metrics.retries.inc()
+        moved = dataclasses.replace(attempt.d, pod=pod, hit_blocks=0, spec_keys=(),
+                                    fallbacks=())
+        return self.start(moved)

@@ -1,0 +1,116 @@
+"""Test helpers (no tests here): the endpoint picker served in a thread, and an ext_proc
+client that speaks to it as Envoy does."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue, Metadata
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf.struct_pb2 import Struct
+
+from sluice.gateway.app import Gateway
+from sluice.gateway.server.grpc_server import PickerServer
+from sluice.gateway.server.picker import PickerConfig
+
+
+class PickerThread:
+    """A `PickerServer` on a free loopback port, on its own event loop in a thread."""
+
+    def __init__(self, core: Gateway, cfg: PickerConfig = PickerConfig()) -> None:
+        self.core = core
+        self.cfg = cfg
+        self.loop = asyncio.new_event_loop()
+        self.started = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.server = PickerServer(self.core, self.cfg, "127.0.0.1", 0)
+            self.port = self.server.port
+            self.loop.run_until_complete(self.server.start())
+        except BaseException as err:  # noqa: BLE001 -- reported to the test
+            self.error = err
+            self.started.set()
+            return
+        self.started.set()
+        self.loop.run_forever()
+        self.loop.run_until_complete(self.server.stop(0.5))
+        self.loop.close()
+
+    def call(self, fn, timeout: float = 10.0):
+        """Run `fn()` on the picker's loop and return its result."""
+        async def run():
+            return fn()
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout)
+
+    def __enter__(self) -> PickerThread:
+        self.thread.start()
+        self.started.wait(20)
+        if self.error is not None:
+            raise self.error
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(15)
+
+
+def headers(method: str, path: str, end_of_stream: bool = False, **extra: str) -> pb.HttpHeaders:
+    items = {":method": method, ":path": path, ":authority": "gw", **extra}
+    return pb.HttpHeaders(end_of_stream=end_of_stream, headers=HeaderMap(headers=[
+        HeaderValue(key=k, raw_value=v.encode()) for k, v in items.items()]))
+
+
+def metadata(namespace: str, fields: dict) -> Metadata:
+    s = Struct()
+    s.update(fields)
+    return Metadata(filter_metadata={namespace: s})
+
+
+class ExtProcClient:
+    """One ext_proc stream per `exchange`, as Envoy opens one per HTTP request."""
+
+    def __init__(self, port: int) -> None:
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self.stub = pb_grpc.ExternalProcessorStub(self.channel)
+
+    def exchange(self, *requests: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        """Send each request after the previous one's answer; stop at an immediate one."""
+        import queue
+
+        outbox: queue.Queue = queue.Queue()
+        answers: list[pb.ProcessingResponse] = []
+
+        def gen():
+            while (item := outbox.get()) is not None:
+                yield item
+
+        outbox.put(requests[0])
+        stream = self.stub.Process(gen(), timeout=30)
+        try:
+            for i, answer in enumerate(stream):
+                answers.append(answer)
+                if answer.HasField("immediate_response") or i + 1 == len(requests):
+                    break
+                outbox.put(requests[i + 1])
+        finally:
+            outbox.put(None)
+            stream.cancel()
+        return answers
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        assert time.time() < deadline, "condition not reached"
+        time.sleep(0.02)

@@ -1,0 +1,160 @@
+"""The endpoint picker over its gRPC protocol (ext_proc as Envoy speaks it), against
+scripted engines: what it answers at each phase, and the accounting it keeps."""
+
+import json
+
+import grpc
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from picker_harness import ExtProcClient, PickerThread, headers, metadata, wait_for
+from test_gateway_proxy import fake_engine
+from test_gateway_stack import ThreadServer as Server
+
+from sluice.gateway.app import Gateway, GatewayConfig
+from sluice.gateway.discovery import Endpoint, StaticDiscovery
+from sluice.gateway.routing.config import RoutingConfig
+from sluice.gateway.server.messages import DESTINATION, LB_NAMESPACE, SERVED, SUBSET, \
+    SUBSET_NAMESPACE
+
+
+def core(ports, strategy="round_robin", **cfg):
+    eps = [Endpoint(pod=f"127.0.0.1:{p}", url=f"http://127.0.0.1:{p}", model="m", pool="m")
+           for p in ports]
+    return Gateway(GatewayConfig(routing=RoutingConfig(strategy=strategy), **cfg),
+                   StaticDiscovery(eps))
+
+
+def body(data) -> pb.ProcessingRequest:
+    raw = data if isinstance(data, bytes) else json.dumps(data).encode()
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=raw, end_of_stream=True))
+
+
+def post(path="/v1/completions", **md):
+    return pb.ProcessingRequest(request_headers=headers("POST", path), **md)
+
+
+def immediate(answer):
+    assert answer.HasField("immediate_response"), answer
+    r = answer.immediate_response
+    return r.status.code, json.loads(r.body), {h.header.key: h.header.raw_value.decode()
+                                               for h in r.headers.set_headers}
+
+
+def destination(answer) -> str:
+    common = answer.request_body.response
+    assert common.clear_route_cache
+    (header,) = [h.header for h in common.header_mutation.set_headers]
+    assert header.key == DESTINATION
+    meta = answer.dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields[DESTINATION]
+    assert meta.string_value == header.raw_value.decode()  # identical, as GIE asks
+    return meta.string_value
+
+
+@pytest.fixture
+def pool():
+    states = [{}, {}]
+    with Server(fake_engine("ok", states[0])) as a, Server(fake_engine("ok", states[1])) as b:
+        gw = core([a.port, b.port])
+        with PickerThread(gw) as picker:
+            client = ExtProcClient(picker.port)
+            wait_for(lambda: len(gw.registry.active()) == 2)
+            yield picker, client, [f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"]
+            client.close()
+
+
+def test_a_request_is_routed_with_fallbacks_in_header_and_metadata(pool):
+    picker, client, pods = pool
+    first, routed = client.exchange(post(), body({"model": "m", "prompt": "hi"}))
+    # a client-sent destination is stripped before anything else
+    assert list(first.request_headers.response.header_mutation.remove_headers) == [DESTINATION]
+    endpoints = destination(routed).split(",")
+    assert sorted(endpoints) == sorted(pods)  # the chosen one, then the other
+
+
+def test_bad_input_is_an_openai_shaped_4xx_and_nothing_is_routed(pool):
+    picker, client, _ = pool
+    cases = [(b"{not json", 400), (b'{"prompt": "x"}', 400), (b"[1]", 400),
+             (b'{"model": "m", "prompt": "a\\ud800b"}', 400),
+             (b'{"model": "m", "prompt": "x", "stream": "yes"}', 400),
+             (b'{"model": "nope", "prompt": "x"}', 404)]
+    for raw, status in cases:
+        answers = client.exchange(post(), body(raw))
+        code, err, hdrs = immediate(answers[-1])
+        assert code == status, raw
+        assert set(err["error"]) == {"message", "type", "param", "code"}
+        assert err["error"]["code"] == status and hdrs["content-type"] == "application/json"
+    assert picker.call(lambda: dict(picker.core.proxy.flight.inflight)) == {}
+
+
+def test_models_health_and_unknown_paths_are_answered_by_the_picker(pool):
+    _, client, _ = pool
+    (models,) = client.exchange(pb.ProcessingRequest(
+        request_headers=headers("GET", "/v1/models", end_of_stream=True)))
+    assert [m["id"] for m in json.loads(models.immediate_response.body)["data"]] == ["m"]
+    (health,) = client.exchange(pb.ProcessingRequest(
+        request_headers=headers("GET", "/health", end_of_stream=True)))
+    assert health.immediate_response.status.code == 200
+    (missing,) = client.exchange(pb.ProcessingRequest(
+        request_headers=headers("GET", "/v2/nothing", end_of_stream=True)))
+    assert immediate(missing)[0] == 404
+    (wrong,) = client.exchange(pb.ProcessingRequest(
+        request_headers=headers("GET", "/v1/completions", end_of_stream=True)))
+    assert immediate(wrong)[0] == 405
+
+
+def test_the_subset_hint_is_honoured(pool):
+    _, client, pods = pool
+    for _ in range(4):
+        hint = metadata(SUBSET_NAMESPACE, {SUBSET: [pods[1]]})
+        answers = client.exchange(post(metadata_context=hint), body({"model": "m", "prompt": "x"}))
+        assert destination(answers[-1]) == pods[1]
+    for subset in ([], ["10.9.9.9:80"]):  # empty, or nobody eligible: 503
+        hint = metadata(SUBSET_NAMESPACE, {SUBSET: subset})
+        answers = client.exchange(post(metadata_context=hint), body({"model": "m", "prompt": "x"}))
+        code, _, hdrs = immediate(answers[-1])
+        assert code == 503 and hdrs["retry-after"] == "1"
+
+
+def test_inflight_follows_the_pod_that_served_and_ends_with_the_stream(pool):
+    picker, client, pods = pool
+    flight = picker.core.proxy.flight
+    import queue
+    import threading
+
+    outbox: queue.Queue = queue.Queue()
+    answers: queue.Queue = queue.Queue()
+
+    def gen():
+        while (item := outbox.get()) is not None:
+            yield item
+
+    stream = client.stub.Process(gen(), timeout=30)
+    threading.Thread(target=lambda: [answers.put(a) for a in stream], daemon=True).start()
+    outbox.put(post())
+    answers.get(timeout=10)
+    outbox.put(body({"model": "m", "prompt": "hi"}))
+    chosen = destination(answers.get(timeout=10)).split(",")[0]
+    assert picker.call(lambda: dict(flight.inflight)) == {chosen: 1}
+    other = next(p for p in pods if p != chosen)  # Envoy retried on the fallback
+    outbox.put(pb.ProcessingRequest(
+        response_headers=headers("POST", "/v1/completions"),
+        metadata_context=metadata(LB_NAMESPACE, {SERVED: other})))
+    added = answers.get(timeout=10).response_headers.response.header_mutation.set_headers
+    assert {h.header.key: h.header.raw_value.decode() for h in added}["x-sluice-pod"] == other
+    assert picker.call(lambda: dict(flight.inflight)) == {other: 1}
+    outbox.put(None)  # the HTTP request is over: Envoy closes the stream
+    wait_for(lambda: picker.call(lambda: dict(flight.inflight)) == {})
+
+
+def test_no_pod_is_503_and_health_services_answer():
+    gw = core([])
+    with PickerThread(gw) as picker:
+        client = ExtProcClient(picker.port)
+        answers = client.exchange(post(), body({"model": "m", "prompt": "x"}))
+        assert immediate(answers[-1])[0] == 404  # a model no engine ever served
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{picker.port}"))
+        for service in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+            status = health.Check(health_pb2.HealthCheckRequest(service=service)).status
+            assert status == health_pb2.HealthCheckResponse.SERVING, service
+        client.close()
