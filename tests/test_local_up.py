@@ -1,4 +1,5 @@
-"""`sluice up` end to end: redis-server + 2 engines (tiny model) + gateway; Ctrl-C stops all."""
+"""`sluice up` end to end: redis-server + 2 engines (tiny model) + picker + Envoy; Ctrl-C stops
+all."""
 
 import os
 import signal
@@ -52,7 +53,7 @@ def test_up_serves_prefixes_logs_and_stops_everything(tiny_chat_model):
         out, _ = proc.communicate(timeout=60)
     log = out.decode()
     assert proc.returncode == 0, log[-3000:]
-    for name in ("redis", "engine-0", "engine-1", "gateway"):
+    for name in ("redis", "engine-0", "engine-1", "picker", "envoy"):
         assert any(line.startswith(f"{name:<10}| ") for line in log.splitlines()), name
     for pod in pods:  # every engine is gone
         try:

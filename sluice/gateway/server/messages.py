@@ -9,10 +9,13 @@ same key, identical; the route cache is cleared so Envoy routes on them.
 from __future__ import annotations
 
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3.http_status_pb2 import HttpStatus
+from google.protobuf import json_format
 from google.protobuf.struct_pb2 import Struct
 
+from sluice.gateway.envoy.listener import PICKER_MODE
 from sluice.openai_error import error_json
 
 DESTINATION = "x-gateway-destination-endpoint"
@@ -21,6 +24,9 @@ SUBSET = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 _OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
+# Asked for with the answer to a completion's headers: its body buffered, then its
+# response headers (Envoy's own replies to requests never routed stay off the picker).
+_MODE = json_format.ParseDict(PICKER_MODE, ProcessingMode())
 
 
 def header_map(msg: pb.HttpHeaders) -> dict[str, str]:
@@ -35,9 +41,10 @@ def _set(headers: dict[str, str]) -> list[HeaderValueOption]:
 
 
 def continue_request_headers(remove: tuple[str, ...] = ()) -> pb.ProcessingResponse:
+    """Go on to the body, with `remove` stripped and the picker's processing mode."""
     mutation = pb.HeaderMutation(remove_headers=list(remove))
     return pb.ProcessingResponse(request_headers=pb.HeadersResponse(
-        response=pb.CommonResponse(header_mutation=mutation)))
+        response=pb.CommonResponse(header_mutation=mutation)), mode_override=_MODE)
 
 
 def route_to(endpoints: tuple[str, ...], after_body: bool) -> pb.ProcessingResponse:
