@@ -14,7 +14,6 @@ import sys
 # (subcommand path, module, help)
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("engine",), "sluice.engine.cli", "serve a model with the Sluice engine (OpenAI API)"),
-    (("gateway",), "sluice.gateway.cli", "KV-aware OpenAI gateway in front of engines"),
     (("epp",), "sluice.gateway.server.cli", "the endpoint picker for Envoy (GIE ext_proc)"),
     (("up",), "sluice.local.cli", "run Redis, engines and the gateway on this machine"),
     (("operator",), "sluice.operator.cli", "run the Kubernetes operator (kopf)"),

@@ -1,5 +1,5 @@
-"""Test helpers (no tests here): the endpoint picker served in a thread, and an ext_proc
-client that speaks to it as Envoy does."""
+"""Test helpers (no tests here): the endpoint picker served in a thread, Envoy in front of
+it, and an ext_proc client that speaks to the picker as Envoy does."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf.struct_pb2 import Struct
 
-from sluice.gateway.app import Gateway
+from sluice.gateway.core import RoutingCore
+from sluice.gateway.envoy.bootstrap import EnvoyConfig
+from sluice.gateway.envoy.process import EnvoyProcess
 from sluice.gateway.server.grpc_server import PickerServer
 from sluice.gateway.server.picker import PickerConfig
 
@@ -21,7 +23,7 @@ from sluice.gateway.server.picker import PickerConfig
 class PickerThread:
     """A `PickerServer` on a free loopback port, on its own event loop in a thread."""
 
-    def __init__(self, core: Gateway, cfg: PickerConfig = PickerConfig()) -> None:
+    def __init__(self, core: RoutingCore, cfg: PickerConfig = PickerConfig()) -> None:
         self.core = core
         self.cfg = cfg
         self.loop = asyncio.new_event_loop()
@@ -60,6 +62,28 @@ class PickerThread:
     def __exit__(self, *exc: object) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(15)
+
+
+class Front:
+    """Envoy on a free port, the picker (in a thread) behind it: `url`, `gw` (the core)."""
+
+    def __init__(self, gw: RoutingCore, engine_urls: list[str]) -> None:
+        self.gw = gw
+        self.picker = PickerThread(gw)
+        self.engine_urls = engine_urls
+
+    def __enter__(self) -> Front:
+        self.picker.__enter__()
+        self.envoy = EnvoyProcess(EnvoyConfig(
+            listen_host="127.0.0.1", listen_port=0, admin_port=0, picker_port=self.picker.port,
+            endpoints=tuple(u.removeprefix("http://") for u in self.engine_urls),
+            route_prefixes=("/v1/", "/health"))).start()
+        self.url = f"http://127.0.0.1:{self.envoy.listen_port}"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.envoy.stop()
+        self.picker.__exit__(*exc)
 
 
 def headers(method: str, path: str, end_of_stream: bool = False, **extra: str) -> pb.HttpHeaders:

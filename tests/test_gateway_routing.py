@@ -240,11 +240,11 @@ def test_pods_with_other_block_sizes_compare_prefill_in_tokens():
 
 
 def test_the_block_size_of_a_pods_events_is_used_before_any_scrape():
-    from sluice.gateway.app import Gateway, GatewayConfig
+    from sluice.gateway.core import CoreConfig, RoutingCore
     from sluice.gateway.discovery import Endpoint, StaticDiscovery
 
     eps = [Endpoint(pod=p, url=f"http://{p}", model="m", pool="m") for p in PODS]
-    gw = Gateway(GatewayConfig(routing=RoutingConfig(strategy="kv_aware")), StaticDiscovery(eps))
+    gw = RoutingCore(CoreConfig(routing=RoutingConfig(strategy="kv_aware")), StaticDiscovery(eps))
     keys = request_keys("m", 32, PROMPT)
     gw.index.apply("p2:1", 0, [(f"h{i}", k) for i, k in enumerate(keys)], [], False, 32)
     d = asyncio.run(gw.router.route("m", PROMPT, PODS))
@@ -272,29 +272,32 @@ def test_a_request_naming_an_alias_finds_blocks_keyed_by_the_pods_first_name():
     assert (d.pod, d.hit_blocks) == ("p2:1", 10)
 
 
-def test_the_gateway_cli_sets_health_and_flush_knobs():
+def test_the_picker_options_set_health_and_flush_knobs():
     import argparse
 
-    from sluice.gateway import cli
-    from sluice.gateway.app import GATEWAY
+    from sluice.gateway import options
+    from sluice.gateway.core import RoutingCore
 
     p = argparse.ArgumentParser()
-    cli.add_arguments(p)
-    app = cli.build(p.parse_args(["--engine", "http://127.0.0.1:1,model=m", "--max-failures", "5",
-                                  "--index-reads", "redis",
-                                  "--probe-interval", "0.5", "--speculative-flush-ms", "25"]))
-    gw = app.state[GATEWAY]
+    options.add_routing_arguments(p)
+
+    def core(*argv):
+        return RoutingCore(*options.routing_parts(p.parse_args(
+            ["--engine", "http://127.0.0.1:1,model=m", *argv])))
+
+    gw = core("--max-failures", "5", "--index-reads", "redis", "--probe-interval", "0.5",
+              "--speculative-flush-ms", "25", "--max-ejection-fraction", "0.25")
     assert (gw.health.max_failures, gw.health.probe_interval_s) == (5, 0.5)
+    assert gw.health.max_ejection_fraction == 0.25
     assert gw.index.flush_after_s == 0.025 and not gw.index.read_local
-    default = cli.build(p.parse_args(["--engine", "http://127.0.0.1:1,model=m"])).state[GATEWAY]
-    assert default.index.read_local
+    assert core().index.read_local
 
 
-def test_the_gateway_raises_its_open_files_limit_to_the_hard_one():
+def test_the_picker_raises_its_open_files_limit_to_the_hard_one():
     import subprocess
     import sys
 
-    code = ("import resource; from sluice.gateway.cli import raise_open_files_limit; "
+    code = ("import resource; from sluice.gateway.options import raise_open_files_limit; "
             "s, h = resource.getrlimit(resource.RLIMIT_NOFILE); "
             "resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, h), h)); "
             "raise_open_files_limit(); print(resource.getrlimit(resource.RLIMIT_NOFILE) == (h, h))")

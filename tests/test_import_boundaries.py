@@ -1,4 +1,4 @@
-"""The gateway and the operator never import torch or the engine (their images carry neither)."""
+"""The picker and the operator never import torch or the engine (their images carry neither)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ assert not bad, bad
 
 
 @pytest.mark.parametrize("modules", [
-    "sluice.gateway.app, sluice.gateway.cli, sluice.gateway.k8s_discovery, sluice.kv_events",
+    "sluice.gateway.server.cli, sluice.gateway.server.grpc_server, sluice.gateway.core, "
+    "sluice.gateway.k8s_discovery, sluice.gateway.envoy.process, sluice.kv_events",
     "sluice.operator.cli, sluice.operator.handlers, sluice.index_keys",
     "sluice.tokenizer, sluice.default_model",
 ])

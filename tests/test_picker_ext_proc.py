@@ -8,10 +8,10 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from picker_harness import ExtProcClient, PickerThread, headers, metadata, wait_for
-from test_gateway_proxy import fake_engine
-from test_gateway_stack import ThreadServer as Server
+from fake_engine import ThreadServer as Server
+from fake_engine import fake_engine
 
-from sluice.gateway.app import Gateway, GatewayConfig
+from sluice.gateway.core import CoreConfig, RoutingCore
 from sluice.gateway.discovery import Endpoint, StaticDiscovery
 from sluice.gateway.routing.config import RoutingConfig
 from sluice.gateway.server.messages import (
@@ -26,8 +26,8 @@ from sluice.gateway.server.messages import (
 def core(ports, strategy="round_robin", **cfg):
     eps = [Endpoint(pod=f"127.0.0.1:{p}", url=f"http://127.0.0.1:{p}", model="m", pool="m")
            for p in ports]
-    return Gateway(GatewayConfig(routing=RoutingConfig(strategy=strategy), **cfg),
-                   StaticDiscovery(eps))
+    return RoutingCore(CoreConfig(routing=RoutingConfig(strategy=strategy), **cfg),
+                       StaticDiscovery(eps))
 
 
 def body(data) -> pb.ProcessingRequest:
@@ -89,7 +89,7 @@ def test_bad_input_is_an_openai_shaped_4xx_and_nothing_is_routed(pool):
         assert code == status, raw
         assert set(err["error"]) == {"message", "type", "param", "code"}
         assert err["error"]["code"] == status and hdrs["content-type"] == "application/json"
-    assert picker.call(lambda: dict(picker.core.proxy.flight.inflight)) == {}
+    assert picker.call(lambda: dict(picker.core.flight.inflight)) == {}
 
 
 def test_models_health_and_unknown_paths_are_answered_by_the_picker(pool):
@@ -123,7 +123,7 @@ def test_the_subset_hint_is_honoured(pool):
 
 def test_inflight_follows_the_pod_that_served_and_ends_with_the_stream(pool):
     picker, client, pods = pool
-    flight = picker.core.proxy.flight
+    flight = picker.core.flight
     import queue
     import threading
 

@@ -148,12 +148,12 @@ def test_scrapes_read_back_the_newer_loads_other_replicas_wrote(srv):
 
 
 def test_a_gateway_reading_its_own_view_runs_the_mirror(srv):
-    from sluice.gateway.app import Gateway, GatewayConfig
+    from sluice.gateway.core import CoreConfig, RoutingCore
     from sluice.gateway.discovery import StaticDiscovery
     from sluice.gateway.routing.config import RoutingConfig
 
-    gw = Gateway(GatewayConfig(routing=RoutingConfig(strategy="kv_aware"), redis_url=srv.url),
-                 StaticDiscovery([]))
+    gw = RoutingCore(CoreConfig(routing=RoutingConfig(strategy="kv_aware"), redis_url=srv.url),
+                     StaticDiscovery([]))
     assert gw.cfg.index_reads == "local"  # the default
     other = RedisIndex.from_url(srv.url, 0.5)
     loop = asyncio.new_event_loop()

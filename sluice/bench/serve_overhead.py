@@ -1,7 +1,7 @@
 """Gateway overhead against a direct call (helper of `sluice bench serve`).
 
     python -m sluice.bench.serve_overhead [--rate 200] [--requests 2000]
-        [--paths direct,envoy,envoy_picker_rr,envoy_picker,python_proxy]
+        [--paths direct,envoy,envoy_picker_rr,envoy_picker]
 
 Starts an instant OpenAI-shaped upstream (answers every completion at once,
 so only the HTTP path is measured) and a redis-server, then sends the same
@@ -12,8 +12,7 @@ tokenization is reused) along each path in turn, in one run:
 - `envoy`: through Envoy alone (the bootstrap without its ext_proc filter): the hop;
 - `envoy_picker_rr`: Envoy + `sluice epp --routing round_robin`: + the gRPC stream;
 - `envoy_picker`: Envoy + `sluice epp` (`--routing`, kv_aware by default): +
-  tokenization, index lookup and scoring;
-- `python_proxy`: the former gateway, `sluice gateway`, for comparison.
+  tokenization, index lookup and scoring.
 
 It reports each path's latency percentiles and their difference to `direct`,
 the routing process's mean routing time (its histogram) and its CPU time per
@@ -173,17 +172,10 @@ def _start_path(name: str, up_port: int, redis_url: str, routing: str, extra: li
     from sluice.local.stack import free_ports
 
     up = f"http://127.0.0.1:{up_port}"
-    port, grpc_port, metrics_port = free_ports(3)
+    grpc_port, metrics_port = free_ports(2)
     common = ["--engine", f"{up},model=m", "--redis-url", redis_url, "--tokenizer",
               resolve_model("default"), "--log-level", "warning"]
-    if name == "python_proxy":
-        procs.append(subprocess.Popen([sys.executable, "-m", "sluice.cli", "gateway", "--port",
-                                       str(port), "--host", "127.0.0.1", "--routing", routing,
-                                       *common, *extra]))
-        url = f"http://127.0.0.1:{port}"
-        _wait(url + "/health")
-        return _Path(url, procs[-1].pid, url)
-    cfg = EnvoyConfig(listen_host="127.0.0.1", listen_port=port, admin_port=0,
+    cfg = EnvoyConfig(listen_host="127.0.0.1", listen_port=0, admin_port=0,
                       picker_port=grpc_port, endpoints=(f"127.0.0.1:{up_port}",),
                       access_log=False)
     pid = metrics = None
@@ -221,7 +213,7 @@ def _wait_json_models(url: str, timeout: float = 60) -> None:
     raise TimeoutError(url)
 
 
-PATHS = ("direct", "envoy", "envoy_picker_rr", "envoy_picker", "python_proxy")
+PATHS = ("direct", "envoy", "envoy_picker_rr", "envoy_picker")
 
 
 def main() -> int:
@@ -231,7 +223,7 @@ def main() -> int:
     p.add_argument("--routing", default="kv_aware")
     p.add_argument("--paths", default=",".join(PATHS))
     p.add_argument("--gateway-arg", action="append", default=[],
-                   help="extra argument of `sluice epp` / `sluice gateway` (repeatable, "
+                   help="extra argument of `sluice epp` (repeatable, "
                         "e.g. --gateway-arg=--speculative-flush-ms=50)")
     p.add_argument("--fake-upstream", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -6,6 +6,8 @@ it changes (and once at start). An `Endpoint` is one engine pod.
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -32,6 +34,20 @@ class Discovery(Protocol):
     async def stop(self) -> None: ...
 
 
+def pod_address(host: str, port: int) -> str:
+    """The `ip:port` that names a pod: what Envoy routes to (GIE endpoints are
+    addresses, not names) and reports as the endpoint that served."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        try:
+            ip = ipaddress.ip_address(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                                      [0][4][0])
+        except OSError as err:
+            raise ValueError(f"cannot resolve engine host {host!r}: {err}") from None
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
 def parse_engine_spec(spec: str) -> Endpoint:
     """`URL[,events=tcp://h:p][,replay=tcp://h:p][,model=NAME][,pool=P]`.
 
@@ -52,7 +68,7 @@ def parse_engine_spec(spec: str) -> Endpoint:
             raise ValueError(f"{key}= needs a ZMQ address (tcp://host:port or ipc://path): "
                              f"{spec!r}")
         kv[key] = value
-    return Endpoint(pod=f"{parsed.hostname}:{parsed.port}", url=url.rstrip("/"),
+    return Endpoint(pod=pod_address(parsed.hostname, parsed.port), url=url.rstrip("/"),
                     model=kv.get("model"), pool=kv.get("pool", "default"),
                     events=kv.get("events"), replay=kv.get("replay"))
 

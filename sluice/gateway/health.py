@@ -5,16 +5,18 @@ Two sources, as Envoy's active health checks and outlier detection:
   `probe_failures` failures in a row mark a pod *down*; one success brings it
   back. This is the pod's own word (our engine answers 503 once its engine
   thread died), so it is not bounded.
-- **Connection failures** (`connection_failure`): refused or timed-out connects,
-  reads that time out, answers cut mid-stream. `max_failures` in a row *eject*
-  the pod until a probe succeeds. Ejection is bounded: at most
-  `max(1, max_ejection_fraction × pods)` pods are ejected at once, so no run of
-  failures, whoever causes them, can empty the pool.
+- **Failed attempts** (`connection_failure`): Envoy went on to a fallback
+  because the chosen pod refused or reset the connection, or answered 503
+  before any byte (the response names another pod, or none). `max_failures`
+  in a row *eject* the pod until a probe succeeds; any answer it serves resets
+  the count. Ejection is bounded: at most `max(1, max_ejection_fraction × pods)`
+  pods are ejected at once, so no run of failures, whoever causes them, can
+  empty the pool.
 
-An HTTP answer of any status is not a failure: the pod was reached and spoke
-HTTP. A 5xx that one request gets is either the request's doing (its peer pod
-says the same) or the pod's (its `/health` says so): the proxy retries it once
-and relays the second answer, and the probes judge the pod.
+An HTTP answer of another status is not a failure: the pod was reached and
+spoke HTTP. A 500 that a request gets is either the request's doing (every pod
+would say the same) or the pod's (its `/health` says so): it is relayed as it
+is, never retried across the pool, and the probes judge the pod.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from sluice.gateway.http_pool import HTTP_ERRORS, HttpPool
+from sluice.gateway.pod_client import POD_ERRORS, PodClient
 
 log = logging.getLogger("sluice.gateway.health")
 
@@ -89,7 +91,7 @@ class HealthTracker:
         self._ejected.discard(pod)
         self._down.discard(pod)
 
-    async def probe_loop(self, http: HttpPool, pods: Callable[[], list[str]],
+    async def probe_loop(self, http: PodClient, pods: Callable[[], list[str]],
                          url_of: Callable[[str], str | None]) -> None:
         """Probe every pod, all at once, each `probe_interval_s`."""
         while True:
@@ -101,10 +103,10 @@ class HealthTracker:
                 if pod in still:
                     self.probed(pod, ok)
 
-    async def _probe(self, http: HttpPool, url: str) -> bool:
+    async def _probe(self, http: PodClient, url: str) -> bool:
         try:
             return (await http.get(url + "/health", max(1.0, self.probe_interval_s)))[0] == 200
-        except HTTP_ERRORS:
+        except POD_ERRORS:
             return False
         except Exception:  # noqa: BLE001 -- a bug must not end the probing for good
             log.exception("probing %s failed", url)

@@ -19,7 +19,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from sluice.gateway.http_pool import HTTP_ERRORS, HttpPool
+from sluice.gateway.pod_client import POD_ERRORS, PodClient
 
 log = logging.getLogger("sluice.gateway.load")
 
@@ -121,7 +121,7 @@ class LoadTable:
 
 
 class LoadScraper:
-    def __init__(self, table: LoadTable, redis_index: Any | None, pods: Any, http: HttpPool,
+    def __init__(self, table: LoadTable, redis_index: Any | None, pods: Any, http: PodClient,
                  interval_s: float = 0.15, timeout_s: float = 0.5) -> None:
         """`pods()` returns {pod id: base URL} to scrape right now."""
         self.table = table
@@ -135,7 +135,7 @@ class LoadScraper:
     async def _one(self, pod: str, url: str) -> tuple[str, EngineMetrics] | None:
         try:
             status, body = await self.http.get(url.rstrip("/") + "/metrics", self.timeout_s)
-        except HTTP_ERRORS:
+        except POD_ERRORS:
             return None
         if status != 200:
             return None

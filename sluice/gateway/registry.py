@@ -19,7 +19,7 @@ from typing import Any
 from sluice.gateway.discovery import Endpoint
 from sluice.gateway.event_feed import EventFeeder, EventSource
 from sluice.gateway.health import HealthTracker
-from sluice.gateway.http_pool import HTTP_ERRORS, HttpPool
+from sluice.gateway.pod_client import POD_ERRORS, PodClient
 from sluice.gateway.load import LoadTable
 
 log = logging.getLogger("sluice.gateway.registry")
@@ -27,7 +27,7 @@ log = logging.getLogger("sluice.gateway.registry")
 
 class PodRegistry:
     def __init__(self, feeder: EventFeeder | None, redis_index: Any, loads: LoadTable,
-                 health: HealthTracker, http: HttpPool,
+                 health: HealthTracker, http: PodClient,
                  probe_interval_s: float = 1.0, forget_after_s: float = 30.0) -> None:
         self.feeder = feeder
         self.redis = redis_index
@@ -202,7 +202,7 @@ class PodRegistry:
             data = json.loads(body).get("data", [])
             ids = [m["id"] for m in data]
             adapters = frozenset(m["id"] for m in data if m.get("parent"))
-        except (*HTTP_ERRORS, ValueError, KeyError, TypeError, AttributeError):
+        except (*POD_ERRORS, ValueError, KeyError, TypeError, AttributeError):
             return None
         if status != 200 or not ids:
             return None

@@ -8,7 +8,7 @@
   plus the shared loads (read from Redis by the lookup or with each scrape);
   the decision is written back as speculative entries (TTL
   `speculative_ttl_ms`) so a burst of one prefix sticks to one pod before the
-  engine's events arrive; the proxy renews them (`renew_speculation`) while
+  engine's events arrive; the picker renews them (`renew_speculation`) while
   the request's prefill is still pending, since a prefill can outlast the TTL
   on a loaded engine.
 """

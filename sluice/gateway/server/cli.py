@@ -8,7 +8,7 @@ import gc
 import logging
 import signal
 
-from sluice.gateway.cli import add_routing_arguments, raise_open_files_limit, routing_parts
+from sluice.gateway.options import add_routing_arguments, raise_open_files_limit, routing_parts
 from sluice.gateway.server.picker import PickerConfig
 
 log = logging.getLogger("sluice.gateway.epp")
@@ -40,12 +40,12 @@ def default_tokenizer_specs(args: argparse.Namespace) -> list[str]:
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    from sluice.gateway.app import Gateway
+    from sluice.gateway.core import RoutingCore
     from sluice.gateway.server.grpc_server import PickerServer
 
     args.tokenizer = default_tokenizer_specs(args)
     cfg, discovery, tokenizer = routing_parts(args)
-    server = PickerServer(Gateway(cfg, discovery, tokenizer),
+    server = PickerServer(RoutingCore(cfg, discovery, tokenizer),
                           PickerConfig(args.max_fallbacks, args.shed_waiting),
                           args.host, args.grpc_port, args.metrics_port)
     await server.start()

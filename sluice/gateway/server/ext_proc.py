@@ -123,7 +123,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                           ) -> pb.ProcessingResponse:
         if ex.decision is None or ex.attempt is None:
             return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
-        served = msg.metadata_string(req, msg.LB_NAMESPACE, msg.SERVED) or ex.decision.pod
+        served = msg.metadata_string(req, msg.LB_NAMESPACE, msg.SERVED)
         ex.attempt = self.picker.served(ex.attempt, served)
         ex.attempt.prefilled()  # (the answer began: its prefill is no longer pending)
+        if served is None:  # Envoy's own answer: no engine was reached
+            return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
         return msg.add_response_headers(decision_headers(ex.decision, served))

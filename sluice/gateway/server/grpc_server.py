@@ -15,7 +15,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from sluice.gateway.app import Gateway
+from sluice.gateway.core import RoutingCore
 from sluice.gateway.server.ext_proc import ExternalProcessor
 from sluice.gateway.server.picker import EndpointPicker, PickerConfig
 
@@ -29,7 +29,7 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 class PickerServer:
     """Owns the routing core's lifetime and the gRPC server on the event loop."""
 
-    def __init__(self, core: Gateway, cfg: PickerConfig = PickerConfig(),
+    def __init__(self, core: RoutingCore, cfg: PickerConfig = PickerConfig(),
                  host: str = "0.0.0.0", port: int = 9002, metrics_port: int = 0) -> None:
         self.core = core
         self.picker = EndpointPicker(core, cfg)

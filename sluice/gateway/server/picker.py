@@ -24,7 +24,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from sluice.gateway.app import Gateway
+from sluice.gateway.core import RoutingCore
 from sluice.gateway.inflight import Attempt
 from sluice.gateway.routing.router import Decision
 from sluice.gateway.server.requests import BadRequest, parse_request
@@ -62,7 +62,7 @@ class Pick:
 
 
 class EndpointPicker:
-    def __init__(self, core: Gateway, cfg: PickerConfig = PickerConfig()) -> None:
+    def __init__(self, core: RoutingCore, cfg: PickerConfig = PickerConfig()) -> None:
         self.core = core
         self.cfg = cfg
 
@@ -123,14 +123,21 @@ class EndpointPicker:
             return None
 
     def start(self, d: Decision) -> Attempt:
-        return self.core.proxy.flight.start(d)
+        return self.core.flight.start(d)
 
-    def served(self, attempt: Attempt, pod: str) -> Attempt:
-        """The data plane says `pod` served: the attempt moves there if it differs."""
-        if pod == attempt.d.pod or not pod:
+    def served(self, attempt: Attempt, pod: str | None) -> Attempt:
+        """The data plane says `pod` served (None: no pod could be reached). Envoy
+        moves on from the chosen pod only when it refused or reset the connection
+        or answered 503 before any byte: a failed attempt of that pod, which the
+        health tracker counts (bounded ejection); the attempt moves to `pod`."""
+        if pod == attempt.d.pod:
+            self.core.health.success(pod)
             return attempt
-        attempt.done()
+        self.core.health.connection_failure(attempt.d.pod)
         self.core.metrics.retries.inc()
+        attempt.done()
+        if pod is None:
+            return attempt
         moved = dataclasses.replace(attempt.d, pod=pod, hit_blocks=0, spec_keys=(),
                                     fallbacks=())
         return self.start(moved)

@@ -1,4 +1,4 @@
-"""`sluice gateway`: the KV-aware OpenAI gateway in front of engines."""
+"""The routing core's command-line options (`sluice epp` and the benchmarks use them)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,6 @@ import resource
 from sluice.gateway.routing.config import STRATEGIES, RoutingConfig
 
 log = logging.getLogger("sluice.gateway")
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--max-body-bytes", type=int, default=10 * 1024 * 1024)
-    p.add_argument("--max-retries", type=int, default=2)
-    p.add_argument("--connect-timeout", type=float, default=2.0)
-    p.add_argument("--read-timeout", type=float, default=300.0)
-    add_routing_arguments(p)
 
 
 def add_routing_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,22 +61,11 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info")
 
 
-def build(args: argparse.Namespace):
-    """The gateway's HTTP app for these arguments."""
-    from sluice.gateway.app import Gateway, create_app
-    from sluice.gateway.proxy import ProxyConfig
-
-    cfg, discovery, tokenizer = routing_parts(args, ProxyConfig(
-        args.max_retries, args.connect_timeout, args.read_timeout), args.max_body_bytes)
-    return create_app(Gateway(cfg, discovery, tokenizer))
-
-
-def routing_parts(args: argparse.Namespace, proxy=None, max_body_bytes: int = 10 << 20):
-    """(GatewayConfig, Discovery, PromptTokenizer) for `add_routing_arguments`' flags."""
-    from sluice.gateway.app import GatewayConfig
+def routing_parts(args: argparse.Namespace):
+    """(CoreConfig, Discovery, PromptTokenizer) for `add_routing_arguments`' flags."""
+    from sluice.gateway.core import CoreConfig
     from sluice.gateway.discovery import StaticDiscovery, parse_engine_spec
     from sluice.gateway.prompt import PromptTokenizer
-    from sluice.gateway.proxy import ProxyConfig
 
     routing = RoutingConfig(
         strategy=args.routing, w_prefix=args.w_prefix, w_prefill=args.w_prefill,
@@ -94,14 +73,12 @@ def routing_parts(args: argparse.Namespace, proxy=None, max_body_bytes: int = 10
         imbalance_abs=args.imbalance_abs, imbalance_rel=args.imbalance_rel,
         kv_ceiling=args.kv_ceiling, cold_spread=args.cold_spread,
         speculative_ttl_ms=args.speculative_ttl_ms, default_block_size=args.block_size)
-    cfg = GatewayConfig(routing=routing, redis_url=args.redis_url,
-                        proxy=proxy or ProxyConfig(), max_body_bytes=max_body_bytes,
-                        scrape_interval_s=args.scrape_interval, load_ttl_ms=args.load_ttl_ms,
-                        max_failures=args.max_failures, probe_interval_s=args.probe_interval,
-                        max_ejection_fraction=args.max_ejection_fraction,
-                        speculative_flush_ms=args.speculative_flush_ms,
-                        index_reads=args.index_reads,
-                        forget_pod_after_s=args.forget_pod_after)
+    cfg = CoreConfig(routing=routing, redis_url=args.redis_url,
+                     scrape_interval_s=args.scrape_interval, load_ttl_ms=args.load_ttl_ms,
+                     max_failures=args.max_failures, probe_interval_s=args.probe_interval,
+                     max_ejection_fraction=args.max_ejection_fraction,
+                     speculative_flush_ms=args.speculative_flush_ms,
+                     index_reads=args.index_reads, forget_pod_after_s=args.forget_pod_after)
     if args.discovery == "kubernetes":
         from sluice.gateway.k8s_discovery import KubernetesDiscovery
         discovery = KubernetesDiscovery(args.namespace, args.pool)
@@ -113,9 +90,9 @@ def routing_parts(args: argparse.Namespace, proxy=None, max_body_bytes: int = 10
 
 
 def raise_open_files_limit() -> None:
-    """Soft limit of open files up to the hard one (as vLLM's server does): a
-    gateway holds ~6 descriptors per pod (its ZMQ sockets and their connections)
-    besides its clients' and engines' HTTP connections; 1024 is a common default."""
+    """Soft limit of open files up to the hard one (as vLLM's server does): the
+    picker holds ~6 descriptors per pod (its ZMQ sockets and their connections)
+    besides its gRPC streams and scrape connections; 1024 is a common default."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = hard if hard != resource.RLIM_INFINITY else 1 << 20  # (the kernel's nr_open)
     if soft != resource.RLIM_INFINITY and soft < target:
@@ -123,14 +100,3 @@ def raise_open_files_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
         except (ValueError, OSError) as err:
             log.warning("open files limit stays %d: %s", soft, err)
-
-
-def main(args: argparse.Namespace) -> int:
-    from sluice.gateway.http_server import serve
-
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    raise_open_files_limit()
-    app = build(args)
-    serve(app, args.host, args.port)
-    return 0

@@ -1,0 +1,154 @@
+"""The picker's routing core: discovery, KV-event index, loads, pod health, router.
+
+It owns the state every request reads (the index, the load table, the pods'
+health and in-flight counts) and the background work that keeps it current:
+the KV-event feeder (its own thread), the speculation mirror (its own thread),
+the load scraper, the health probes and the models refresh (tasks on the event
+loop). Requests reach it through `server.picker.EndpointPicker`; Envoy carries
+their bytes. All coroutines run on one event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from sluice.gateway.discovery import Discovery
+from sluice.gateway.event_feed import EventFeeder
+from sluice.gateway.health import HealthTracker
+from sluice.gateway.inflight import InFlight
+from sluice.gateway.load import LoadScraper, LoadTable
+from sluice.gateway.local_index import LocalIndex, LocalIndexConfig
+from sluice.gateway.metrics import GatewayMetrics
+from sluice.gateway.pod_client import PodClient
+from sluice.gateway.prefix_index import PrefixIndex
+from sluice.gateway.prompt import PromptTokenizer
+from sluice.gateway.redis_index import RedisIndex
+from sluice.gateway.registry import PodRegistry
+from sluice.gateway.routing.config import RoutingConfig
+from sluice.gateway.routing.router import Router
+from sluice.gateway.spec_mirror import SpecMirror
+
+log = logging.getLogger("sluice.gateway")
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    local_index: LocalIndexConfig = field(default_factory=LocalIndexConfig)
+    redis_url: str | None = None
+    scrape_interval_s: float = 0.15
+    load_ttl_ms: int = 1000
+    max_failures: int = 3  # failed attempts in a row (Envoy retried elsewhere) that eject
+    probe_interval_s: float = 1.0
+    max_ejection_fraction: float = 0.5  # of the pods, ejected at once at most (at least 1)
+    redis_timeout_s: float = 0.05
+    speculative_flush_ms: float = 10.0  # decisions batched this long before Redis has them
+    index_reads: str = "local"  # "redis": one Redis round trip per lookup (see PrefixIndex)
+    forget_pod_after_s: float = 30.0  # a removed pod's index entries are kept this long
+    models_refresh_s: float = 10.0  # every pod's /v1/models read again (LoRA adapters)
+
+    def __post_init__(self) -> None:
+        assert self.scrape_interval_s > 0 and self.load_ttl_ms > 0
+        assert self.forget_pod_after_s >= 0 and self.speculative_flush_ms > 0
+        assert self.max_failures >= 1 and self.probe_interval_s > 0 and self.models_refresh_s > 0
+        assert 0.0 <= self.max_ejection_fraction <= 1.0
+        assert self.index_reads in ("redis", "local")
+
+
+class RoutingCore:
+    def __init__(self, cfg: CoreConfig, discovery: Discovery,
+                 tokenizer: PromptTokenizer | None = None) -> None:
+        self.cfg = cfg
+        self.discovery = discovery
+        self.tokenizer = tokenizer or PromptTokenizer({})
+        self.metrics = GatewayMetrics()
+        self.health = HealthTracker(cfg.max_failures, cfg.probe_interval_s,
+                                    cfg.max_ejection_fraction,
+                                    pool_size=lambda: len(self.registry.active()))
+        self.loads = LoadTable(cfg.load_ttl_ms)
+        self.redis: RedisIndex | None = None
+        if cfg.redis_url:
+            self.redis = RedisIndex.from_url(cfg.redis_url, max(cfg.redis_timeout_s, 0.2))
+        self.index = PrefixIndex(LocalIndex(cfg.local_index), self.redis, cfg.redis_timeout_s,
+                                 cfg.speculative_flush_ms / 1000.0,
+                                 read_local=cfg.index_reads == "local")
+        self.index.on_mode_change.append(self.metrics.set_mode)
+        self.metrics.set_mode(self.index.mode)
+        uses_events = cfg.routing.strategy == "kv_aware"
+        self.feeder = EventFeeder(self.index) if uses_events else None
+        # routing on the own view: the other replicas' decisions are mirrored into it
+        self.mirror = (SpecMirror(self.redis.sync, self.index.local, self.redis.replica_id)
+                       if uses_events and self.redis is not None and self.index.read_local
+                       else None)
+        self.http = PodClient()
+        self.registry = PodRegistry(self.feeder, self.redis, self.loads, self.health,
+                                    self.http, cfg.probe_interval_s, cfg.forget_pod_after_s)
+        self.flight = InFlight(lambda d: self.router.renew_speculation(d),
+                               cfg.routing.speculative_ttl_ms / 2000.0 or 1.0)  # half the TTL
+        self.router = Router(cfg.routing, self.index, LocalIndex(cfg.local_index), self.loads,
+                             self.health.is_healthy, lambda p: self.flight.inflight.get(p, 0),
+                             # the events' block size: the index's keys were made with it
+                             lambda p: self.index.block_size(p) or self.registry.block_size_of(p),
+                             lambda p: self.flight.pending_prefill.get(p, 0),
+                             self.registry.key_model)
+        self.registry.on_remove.append(self.metrics.forget_pod)
+        self.index.on_mode_change.append(  # back from an outage or a loss of Redis's data
+            lambda mode: mode == "redis" and self.registry.register_all())
+        self.scraper = LoadScraper(self.loads, self.redis, self.registry.active, self.http,
+                                   cfg.scrape_interval_s)
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        if self.feeder is not None:
+            self.feeder.start()
+        if self.mirror is not None:
+            self.mirror.start()
+        await self.discovery.start(self.registry.update)
+        self.scraper.start()
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self.health.probe_loop(
+            self.http, lambda: list(self.registry.active()), self.registry.url_of)))
+        self._tasks.append(loop.create_task(self.registry.refresh_loop(self.cfg.models_refresh_s)))
+        self._tasks.append(loop.create_task(self._gauges_loop()))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        self.registry.close()
+        await self.discovery.stop()
+        await self.scraper.stop()
+        if self.feeder is not None:
+            await asyncio.to_thread(self.feeder.stop)
+        if self.mirror is not None:
+            await asyncio.to_thread(self.mirror.stop)
+        await self.http.close()
+        if self.redis is not None:
+            await self.redis.aio.aclose()
+            self.redis.sync.close()
+
+    def models_body(self) -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": m, "object": "model", "created": 0, "owned_by": "sluice",
+             "root": m, "parent": None} for m in self.registry.models()]}
+
+    def health_body(self) -> tuple[int, dict[str, Any]]:
+        pods = self.registry.active()
+        healthy = [p for p in pods if self.health.is_healthy(p)]
+        feed = "off" if self.feeder is None else "running" if self.feeder.alive() else "stopped"
+        body = {"status": "ok" if healthy else "no_healthy_engines", "index": self.index.mode,
+                "event_feed": feed, "pods": {p: self.health.is_healthy(p) for p in pods}}
+        return (200 if healthy else 503), body
+
+    async def _gauges_loop(self, every_s: float = 1.0) -> None:
+        """The gauges Prometheus reads (served by the picker's metrics port)."""
+        while True:
+            pods = self.registry.active()
+            bad = sum(1 for p in pods if not self.health.is_healthy(p))
+            self.metrics.pods.labels("healthy").set(len(pods) - bad)
+            self.metrics.pods.labels("unhealthy").set(bad)
+            if self.feeder is not None:
+                self.metrics.event_batches.set(self.feeder.batches)
+            await asyncio.sleep(every_s)
