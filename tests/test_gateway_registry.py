@@ -74,11 +74,12 @@ def test_lora_adapter_requests_hit_only_blocks_cached_under_the_adapter():
     and a base-model request hits only the base model's blocks."""
     import json
 
+    from routing_testing import Pods, make_router
+
     from sluice.gateway.block_keys import request_keys
     from sluice.gateway.local_index import LocalIndex
     from sluice.gateway.prefix_index import PrefixIndex
     from sluice.gateway.routing.config import RoutingConfig
-    from sluice.gateway.routing.router import Router
     from sluice.gateway.translate import translate
     from sluice.kv_events import BlockStored, KVEventBatch
 
@@ -109,9 +110,8 @@ def test_lora_adapter_requests_hit_only_blocks_cached_under_the_adapter():
                            ("c:1", stored(None, lora_id=7))):  # an adapter named by id only
             t = translate(batch, reg.key_model(pod, "base") or "base", lambda f: None)
             index.local.store(pod, t.stored)
-        router = Router(RoutingConfig(strategy="kv_aware", speculative_ttl_ms=0), index,
-                        LocalIndex(), LoadTable(1000), lambda p: True, lambda p: 0,
-                        lambda p: 16, key_model_of=reg.key_model)
+        router = make_router(RoutingConfig(strategy="kv_aware", speculative_ttl_ms=0), index,
+                             LoadTable(1000), Pods(key_model_of=reg.key_model))
         pods = ["a:1", "b:1", "c:1"]
         for model, pod in (("ad", "a:1"), ("base", "b:1"), ("alias", "b:1")):
             d = await router.route(model, prompt, pods)

@@ -4,12 +4,13 @@ import asyncio
 import collections
 import time
 
+from routing_testing import Pods, make_router
+
 from sluice.gateway.block_keys import request_keys
 from sluice.gateway.load import EngineMetrics, LoadTable
 from sluice.gateway.local_index import LocalIndex
 from sluice.gateway.prefix_index import PrefixIndex
 from sluice.gateway.routing.config import RoutingConfig
-from sluice.gateway.routing.router import Router
 
 PODS = ["p0:1", "p1:1", "p2:1", "p3:1"]
 PROMPT = list(range(1000, 1165))  # 10 full blocks of 16 and 5 tokens
@@ -25,10 +26,8 @@ def make(strategy="kv_aware", loads=None, unhealthy=(), inflight=None, pending=N
         if w is not None:
             table.put(pod, EngineMetrics(waiting=w, running=r, kv_usage=kv,
                                          num_gpu_blocks=num_blocks), now)
-    router = Router(RoutingConfig(strategy=strategy, **cfg), index, LocalIndex(), table,
-                    lambda p: p not in unhealthy, lambda p: (inflight or {}).get(p, 0),
-                    lambda p: (block_sizes or {}).get(p, 16),
-                    lambda p: (pending or {}).get(p, 0))
+    router = make_router(RoutingConfig(strategy=strategy, **cfg), index, table,
+                         Pods(unhealthy, inflight or {}, pending or {}, block_sizes or {}))
     return router, index
 
 
@@ -264,9 +263,9 @@ def test_a_salted_request_never_counts_blocks_cached_under_another_salt():
 def test_a_request_naming_an_alias_finds_blocks_keyed_by_the_pods_first_name():
     index = PrefixIndex(LocalIndex(), None)
     table = LoadTable(ttl_ms=10_000)
-    router = Router(RoutingConfig(strategy="kv_aware"), index, LocalIndex(), table,
-                    lambda p: True, lambda p: 0, lambda p: 16, lambda p: 0,
-                    key_model_of=lambda p, model: "m")  # each pod serves "m" and "alias"
+    # each pod serves "m" and "alias"
+    router = make_router(RoutingConfig(strategy="kv_aware"), index, table,
+                         Pods(key_model_of=lambda p, model: "m"))
     hold(index, "p2:1", 10)  # keyed by "m", as its events are
     d = asyncio.run(router.route("alias", PROMPT, PODS))
     assert (d.pod, d.hit_blocks) == ("p2:1", 10)

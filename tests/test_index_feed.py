@@ -337,9 +337,10 @@ def test_own_speculations_count_before_they_reach_redis(srv):
 def test_a_burst_of_one_prefix_sticks_with_redis_up(srv):
     """Concurrent and back-to-back routings of one prompt, all within the
     speculative flush interval, go to the first one's pod as hits."""
+    from routing_testing import Pods, make_router
+
     from sluice.gateway.load import EngineMetrics, LoadTable
     from sluice.gateway.routing.config import RoutingConfig
-    from sluice.gateway.routing.router import Router
 
     pods = ["p0:1", "p1:1", "p2:1", "p3:1"]
     index = make_index(srv.port)
@@ -347,8 +348,8 @@ def test_a_burst_of_one_prefix_sticks_with_redis_up(srv):
     table = LoadTable(ttl_ms=60_000)
     for pod in pods:
         table.put(pod, EngineMetrics(waiting=0, running=0, kv_usage=0.1), time.time() * 1000)
-    router = Router(RoutingConfig(strategy="kv_aware"), index, LocalIndex(), table,
-                    lambda p: True, lambda p: 0, lambda p: BS, lambda p: 0)
+    router = make_router(RoutingConfig(strategy="kv_aware"), index, table,
+                         Pods(default_block_size=BS))
     tokens = list(range(500, 541))  # 10 full blocks and a token
 
     async def go():

@@ -29,6 +29,7 @@ from sluice.gateway.redis_index import RedisIndex
 from sluice.gateway.registry import PodRegistry
 from sluice.gateway.routing.config import RoutingConfig
 from sluice.gateway.routing.router import Router
+from sluice.gateway.routing.strategies import make_strategy
 from sluice.gateway.spec_mirror import SpecMirror
 
 log = logging.getLogger("sluice.gateway")
@@ -77,7 +78,8 @@ class RoutingCore:
                                  read_local=cfg.index_reads == "local")
         self.index.on_mode_change.append(self.metrics.set_mode)
         self.metrics.set_mode(self.index.mode)
-        uses_events = cfg.routing.strategy == "kv_aware"
+        self.strategy = make_strategy(cfg.routing, self.index, LocalIndex(cfg.local_index))
+        uses_events = self.strategy.uses_events
         self.feeder = EventFeeder(self.index) if uses_events else None
         # routing on the own view: the other replicas' decisions are mirrored into it
         self.mirror = (SpecMirror(self.redis.sync, self.index.local, self.redis.replica_id)
@@ -88,12 +90,7 @@ class RoutingCore:
                                     self.http, cfg.probe_interval_s, cfg.forget_pod_after_s)
         self.flight = InFlight(lambda d: self.router.renew_speculation(d),
                                cfg.routing.speculative_ttl_ms / 2000.0 or 1.0)  # half the TTL
-        self.router = Router(cfg.routing, self.index, LocalIndex(cfg.local_index), self.loads,
-                             self.health.is_healthy, lambda p: self.flight.inflight.get(p, 0),
-                             # the events' block size: the index's keys were made with it
-                             lambda p: self.index.block_size(p) or self.registry.block_size_of(p),
-                             lambda p: self.flight.pending_prefill.get(p, 0),
-                             self.registry.key_model)
+        self.router = Router(cfg.routing, self.strategy, self.index, self.loads, self)
         self.registry.on_remove.append(self.metrics.forget_pod)
         self.index.on_mode_change.append(  # back from an outage or a loss of Redis's data
             lambda mode: mode == "redis" and self.registry.register_all())
@@ -101,6 +98,24 @@ class RoutingCore:
                                    cfg.scrape_interval_s)
         self._tasks: list[asyncio.Task] = []
 
+    # -- the router's PodView ----------------------------------------------------------------
+    def is_healthy(self, pod: str) -> bool:
+        return self.health.is_healthy(pod)
+
+    def inflight(self, pod: str) -> int:
+        return self.flight.inflight.get(pod, 0)
+
+    def pending_prefill(self, pod: str) -> int:
+        return self.flight.pending_prefill.get(pod, 0)
+
+    def block_size(self, pod: str) -> int | None:
+        # the events' block size first: the index's keys were made with it
+        return self.index.block_size(pod) or self.registry.block_size_of(pod)
+
+    def key_model(self, pod: str, model: str) -> str | None:
+        return self.registry.key_model(pod, model)
+
+    # -- lifetime ----------------------------------------------------------------------------
     async def start(self) -> None:
         if self.feeder is not None:
             self.feeder.start()

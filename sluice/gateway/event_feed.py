@@ -42,8 +42,13 @@ import msgspec
 import zmq
 
 from sluice.gateway.event_replay import batch_ts, read_replay
-from sluice.gateway.event_sockets import EventSource, PodState, ReconnectWatch
-from sluice.gateway.event_sockets import connect, socket_context
+from sluice.gateway.event_sockets import (
+    EventSource,
+    PodState,
+    ReconnectWatch,
+    connect,
+    socket_context,
+)
 from sluice.gateway.prefix_index import PrefixIndex
 from sluice.gateway.translate import Translated, translate
 from sluice.kv_events import decode_batch

@@ -19,8 +19,8 @@ from typing import Any
 from sluice.gateway.discovery import Endpoint
 from sluice.gateway.event_feed import EventFeeder, EventSource
 from sluice.gateway.health import HealthTracker
-from sluice.gateway.pod_client import POD_ERRORS, PodClient
 from sluice.gateway.load import LoadTable
+from sluice.gateway.pod_client import POD_ERRORS, PodClient
 
 log = logging.getLogger("sluice.gateway.registry")
 

@@ -1,22 +1,17 @@
-"""Filters: drop pods that must not take the request. Each returns a sub-list;
-a filter that would leave nothing for a soft reason returns its input (fail open)."""
+"""Soft filters: drop pods that should not take the request, never all of them.
+(Unhealthy pods are never candidates: `Router.route`.)"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Protocol
 
 from sluice.gateway.routing.candidate import Candidate
 from sluice.gateway.routing.config import RoutingConfig
 
 
-class HealthyFilter:
-    """Hard: pods marked unhealthy (consecutive failures, not yet re-probed) are out."""
-
-    def __init__(self, is_healthy: Callable[[str], bool]) -> None:
-        self.is_healthy = is_healthy
-
+class Filter(Protocol):
     def __call__(self, cands: list[Candidate], cfg: RoutingConfig) -> list[Candidate]:
-        return [c for c in cands if self.is_healthy(c.pod)]
+        """A sub-list of `cands`; `cands` itself rather than an empty list (fail open)."""
 
 
 class KVCeilingFilter:

@@ -1,16 +1,11 @@
-"""Router: candidates -> filters -> scorers -> picker, per strategy.
+"""Router: candidates -> filters -> scorers -> picker, per strategy (`strategies.py`).
 
-- round_robin: healthy pods in turn.
-- least_load: filters, then queue + KV scores.
-- prefix (approximate): hits from this gateway's own routing history only.
-- kv_aware (precise): hits from the event-fed index (the replica's view, which
-  mirrors the other replicas' decisions, or Redis with `--index-reads redis`)
-  plus the shared loads (read from Redis by the lookup or with each scrape);
-  the decision is written back as speculative entries (TTL
-  `speculative_ttl_ms`) so a burst of one prefix sticks to one pod before the
-  engine's events arrive; the picker renews them (`renew_speculation`) while
-  the request's prefill is still pending, since a prefill can outlast the TTL
-  on a loaded engine.
+The healthy pods are the candidates. A ranked strategy fills each candidate's
+predicted prefix hits (the prompt's request keys, made per pod's key seed and
+block size), its load (shared loads from the index's lookup when it gives them,
+else this replica's scrapes) and this picker's in-flight counts; the soft
+filters drop hot or full pods (never all of them); the weighted scores
+(`scorers.py`) pick the pod; the runners-up, best first, are its fallbacks.
 """
 
 from __future__ import annotations
@@ -18,30 +13,23 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from sluice.gateway.block_keys import key_seed, request_keys
 from sluice.gateway.load import LoadTable
-from sluice.gateway.local_index import LocalIndex
 from sluice.gateway.prefix_index import PrefixIndex
 from sluice.gateway.routing.candidate import Candidate
 from sluice.gateway.routing.config import RoutingConfig
 from sluice.gateway.routing.filters import (
-    HealthyFilter,
+    Filter,
     ImbalanceGate,
     KVCeilingFilter,
     UnknownLoadFilter,
 )
 from sluice.gateway.routing.picker import MaxScorePicker
-from sluice.gateway.routing.scorers import (
-    CacheRoomScorer,
-    KVUsageScorer,
-    PrefillCostScorer,
-    PrefixScorer,
-    QueueScorer,
-    weighted,
-)
+from sluice.gateway.routing.scorers import weighted
+from sluice.gateway.routing.strategies import Strategy
 
 log = logging.getLogger("sluice.gateway.routing")
 
@@ -59,36 +47,38 @@ class Decision:
     fallbacks: tuple[str, ...] = ()  # the other healthy pods, best first (retries)
 
 
+class PodView(Protocol):
+    """What the router reads about pods besides the index and the load table."""
+
+    def is_healthy(self, pod: str) -> bool: ...
+
+    def inflight(self, pod: str) -> int:
+        """Requests this picker has in flight to the pod."""
+
+    def pending_prefill(self, pod: str) -> int:
+        """Uncached prompt tokens sent to the pod whose answers have not begun."""
+
+    def block_size(self, pod: str) -> int | None:
+        """The block size of the pod's KV events (the index's keys were made with it)."""
+
+    def key_model(self, pod: str, model: str) -> str | None:
+        """The name the pod's KV events key a request for `model` with: its base
+        model's first served name (so an alias hashes alike), a LoRA adapter's own
+        name; None: `model`."""
+
+
 class Router:
-    def __init__(self, cfg: RoutingConfig, index: PrefixIndex | None, history: LocalIndex,
-                 loads: LoadTable, is_healthy: Callable[[str], bool],
-                 inflight: Callable[[str], int],
-                 block_size_of: Callable[[str], int | None],
-                 pending_prefill: Callable[[str], int] = lambda pod: 0,
-                 key_model_of: Callable[[str, str], str | None] = lambda pod, model: None
-                 ) -> None:
-        """`key_model_of(pod, model)`: the name the pod's KV events key a request for
-        `model` with (its base model's first served name, so a request naming an
-        alias hashes alike; a LoRA adapter's own name; None: `model`)."""
-        assert cfg.strategy != "kv_aware" or index is not None
+    def __init__(self, cfg: RoutingConfig, strategy: Strategy, index: PrefixIndex | None,
+                 loads: LoadTable, pods: PodView) -> None:
         self.cfg = cfg
+        self.strategy = strategy
         self.index = index
-        self.history = history
         self.loads = loads
-        self.inflight = inflight
-        self.pending_prefill = pending_prefill
-        self.block_size_of = block_size_of
-        self.key_model_of = key_model_of
-        self.healthy = HealthyFilter(is_healthy)
-        self.soft_filters = [UnknownLoadFilter(), KVCeilingFilter(), ImbalanceGate()]
+        self.pods = pods
+        self.soft_filters: list[Filter] = [UnknownLoadFilter(), KVCeilingFilter(),
+                                           ImbalanceGate()]
         self.picker = MaxScorePicker(cfg.seed)
         self._rr = itertools.count()
-        c = cfg
-        self.parts = {"least_load": [(c.w_queue, QueueScorer()), (c.w_kv, KVUsageScorer())],
-                      "prefix": [(c.w_prefix, PrefixScorer()),
-                                 (c.w_prefill, PrefillCostScorer()),
-                                 (c.w_queue, QueueScorer()), (c.w_kv, KVUsageScorer())]}
-        self.parts["kv_aware"] = [*self.parts["prefix"], (c.w_room, CacheRoomScorer())]
 
     def index_mode(self) -> str:
         return self.index.mode if self.index is not None else "none"
@@ -97,24 +87,25 @@ class Router:
                     exclude: frozenset[str] = frozenset(),
                     cache_salt: str | None = None) -> Decision | None:
         """Choose a pod for a prompt, or None when no healthy pod is left."""
-        strategy = self.cfg.strategy
-        cands = self.healthy([Candidate(p) for p in pods if p not in exclude], self.cfg)
+        strategy = self.strategy
+        cands = [Candidate(p) for p in pods if p not in exclude and self.pods.is_healthy(p)]
         if not cands:
             return None
-        if strategy == "round_robin":
+        if not strategy.ranked:
             i = next(self._rr) % len(cands)
             order = [c.pod for c in cands[i:] + cands[:i]]
-            return Decision(order[0], strategy, 0, 0, self.index_mode(), "round robin",
+            return Decision(order[0], strategy.name, 0, 0, self.index_mode(), "round robin",
                             fallbacks=tuple(order[1:]))
         keys_by: dict[tuple[str, int], list[str]] = {}
         for c in cands:
-            bs = c.block_size = self.block_size_of(c.pod) or self.cfg.default_block_size
-            group = c.key_group = (key_seed(self.key_model_of(c.pod, model) or model, cache_salt), bs)
+            bs = c.block_size = self.pods.block_size(c.pod) or self.cfg.default_block_size
+            seed = key_seed(self.pods.key_model(c.pod, model) or model, cache_salt)
+            group = c.key_group = (seed, bs)
             if group not in keys_by:
-                keys_by[group] = request_keys(group[0], bs, token_ids)
+                keys_by[group] = request_keys(seed, bs, token_ids)
             c.total_blocks = len(keys_by[group])
             c.prompt_tokens = len(token_ids)
-        shared_loads = await self._fill_hits(strategy, cands, keys_by)
+        shared_loads = await self._fill_hits(cands, keys_by)
         now = time.time() * 1000.0
         loads = shared_loads
         if loads is None or any(c.pod not in loads for c in cands):
@@ -124,46 +115,38 @@ class Router:
             row = loads.get(c.pod)
             if row is not None and now - row["ts_ms"] < self.loads.ttl_ms:
                 c.waiting, c.running, c.kv_usage = row["waiting"], row["running"], row["kv_usage"]
-            c.inflight = self.inflight(c.pod)
-            c.pending_prefill = self.pending_prefill(c.pod)
+            c.inflight = self.pods.inflight(c.pod)
+            c.pending_prefill = self.pods.pending_prefill(c.pod)
             m = self.loads.metrics(c.pod)
             c.num_blocks = m.num_gpu_blocks if m is not None else None
         healthy = cands
         for f in self.soft_filters:
             cands = f(cands, self.cfg)
-        scores = weighted(cands, self.parts[strategy])
+        scores = weighted(cands, strategy.parts)
         cold = max(c.hit_blocks for c in cands) == 0
         chosen = self.picker(cands, scores, self.cfg.cold_spread if cold else 1e-9)
-        spec_keys = self._remember(strategy, chosen, keys_by)
+        spec_keys = strategy.remember(chosen, keys_by[chosen.key_group])
         reason = "cold spread" if cold else "prefix+load"
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("route %s -> %s (%s): %s", strategy, chosen.pod, reason, ", ".join(
+            log.debug("route %s -> %s (%s): %s", strategy.name, chosen.pod, reason, ", ".join(
                 f"{c.pod} hit={c.hit_blocks}/{c.total_blocks} q={c.queue:g} "
                 f"prefill={c.prefill_cost} "
                 f"kv={c.kv_usage} room={c.cache_room} score={s:.3f}"
-                for c, s in zip(cands, scores)))
-        return Decision(chosen.pod, strategy, chosen.hit_blocks, chosen.total_blocks,
+                for c, s in zip(cands, scores, strict=True)))
+        return Decision(chosen.pod, strategy.name, chosen.hit_blocks, chosen.total_blocks,
                         self.index_mode(), reason, spec_keys, chosen.uncached_tokens,
                         _fallbacks(chosen, cands, scores, healthy))
 
-    async def _fill_hits(self, strategy: str, cands: list[Candidate],
+    async def _fill_hits(self, cands: list[Candidate],
                          keys_by: dict[tuple[str, int], list[str]]
                          ) -> dict[str, dict[str, float]] | None:
         shared: dict[str, dict[str, float]] | None = None
-        if strategy not in ("prefix", "kv_aware"):
-            return None
         for key_group, keys in keys_by.items():
             bs = key_group[1]
             group = [c for c in cands if c.key_group == key_group]
-            pods = [c.pod for c in group]
-            held: dict[str, int] = {}
-            if strategy == "kv_aware":
-                assert self.index is not None
-                hits, loads, held = await self.index.lookup(keys, pods)
-                if loads is not None:
-                    shared = {**(shared or {}), **loads}
-            else:
-                hits = self.history.lookup(keys, pods, time.time() * 1000.0)
+            hits, loads, held = await self.strategy.hits(keys, [c.pod for c in group])
+            if loads is not None:
+                shared = {**(shared or {}), **loads}
             for c in group:
                 # the engine always computes the prompt's last token (its logits are
                 # sampled), so a block-aligned prompt reuses one block less than held
@@ -171,19 +154,6 @@ class Router:
                 c.hit_blocks = min(hits.get(c.pod, 0), reusable)
                 c.held_blocks = held.get(c.pod, 0)
         return shared
-
-    def _remember(self, strategy: str, chosen: Candidate,
-                  keys_by: dict[tuple[str, int], list[str]]) -> tuple[str, ...]:
-        """Record the decision; the keys written as speculative entries."""
-        keys = keys_by[chosen.key_group]
-        if strategy == "prefix":
-            self.history.add_speculative(chosen.pod, keys,
-                                         time.time() * 1000.0 + self.cfg.history_ttl_ms)
-        elif strategy == "kv_aware" and self.index is not None and self.cfg.speculative_ttl_ms:
-            spec = keys[chosen.hit_blocks:]
-            self.index.speculate(chosen.pod, spec, self.cfg.speculative_ttl_ms)
-            return tuple(spec)
-        return ()
 
     def renew_speculation(self, d: Decision) -> None:
         """The decision's speculative entries last `speculative_ttl_ms` from now."""

@@ -23,7 +23,14 @@ the first four terms; least_load the queue and KV terms only. Higher is better.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from sluice.gateway.routing.candidate import Candidate
+
+
+class Scorer(Protocol):
+    def __call__(self, cands: list[Candidate]) -> list[float]:
+        """One score per candidate, in [0, 1], higher is better."""
 
 
 class PrefixScorer:
@@ -54,11 +61,11 @@ class CacheRoomScorer:
         return [c.cache_room or 0.0 for c in cands]
 
 
-def weighted(cands: list[Candidate], parts: list[tuple[float, object]]) -> list[float]:
+def weighted(cands: list[Candidate], parts: list[tuple[float, Scorer]]) -> list[float]:
     """Sum of weight * scorer(cands) over `parts`."""
     total = [0.0] * len(cands)
     for weight, scorer in parts:
         if weight:
-            for i, s in enumerate(scorer(cands)):  # type: ignore[operator]
+            for i, s in enumerate(scorer(cands)):
                 total[i] += weight * s
     return total

@@ -26,26 +26,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_routing_arguments(p)
 
 
-def default_tokenizer_specs(args: argparse.Namespace) -> list[str]:
-    """`--tokenizer` as given; else, for prefix routing, the bundled default model's."""
-    if args.tokenizer or args.routing not in ("prefix", "kv_aware"):
-        return args.tokenizer
+def default_tokenizer(core) -> None:
+    """A strategy that reads the prompt with no `--tokenizer` given: the bundled
+    default model's; a start-up error when there is none (never a silent fall
+    back to load-only routing)."""
+    if not core.strategy.uses_prompt or core.tokenizer.by_model or core.tokenizer.default:
+        return
     from sluice.default_model import ModelNotFoundError, resolve_default_model
+    from sluice.gateway.prompt import PromptTokenizer
 
     try:
-        return [resolve_default_model()]
+        core.tokenizer = PromptTokenizer.from_paths([resolve_default_model()])
     except ModelNotFoundError as err:
-        raise SystemExit(f"sluice epp: --routing {args.routing} needs a tokenizer: give "
-                         f"--tokenizer [MODEL=]PATH ({err})") from None
+        raise SystemExit(f"sluice epp: --routing {core.strategy.name} needs a tokenizer: "
+                         f"give --tokenizer [MODEL=]PATH ({err})") from None
 
 
 async def _serve(args: argparse.Namespace) -> None:
     from sluice.gateway.core import RoutingCore
     from sluice.gateway.server.grpc_server import PickerServer
 
-    args.tokenizer = default_tokenizer_specs(args)
-    cfg, discovery, tokenizer = routing_parts(args)
-    server = PickerServer(RoutingCore(cfg, discovery, tokenizer),
+    core = RoutingCore(*routing_parts(args))
+    default_tokenizer(core)
+    server = PickerServer(core,
                           PickerConfig(args.max_fallbacks, args.shed_waiting),
                           args.host, args.grpc_port, args.metrics_port)
     await server.start()

@@ -111,7 +111,7 @@ class EndpointPicker:
 
     async def _token_ids(self, kind: str, data: dict, size: int) -> list[int] | None:
         core = self.core
-        if core.cfg.routing.strategy not in ("prefix", "kv_aware"):
+        if not core.strategy.uses_prompt:
             return None
         try:
             if size > INLINE_TOKENIZE_BYTES:
