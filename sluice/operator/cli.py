@@ -16,6 +16,7 @@ from typing import Any
 
 from sluice.operator.config import OperatorConfig
 from sluice.operator.render import RenderConfig
+from sluice.operator.render_gie import DEFAULT_PICKER_PORT, FAILURE_MODES, GieConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +39,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--autoscale-interval", type=float, default=15.0)
     parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
                         help="kopf liveness endpoint ('' to disable)")
+    parser.add_argument("--gie-endpoint-picker", metavar="SERVICE",
+                        default=os.environ.get("SLUICE_GIE_ENDPOINT_PICKER", ""),
+                        help="GIE mode: also write, per pool, an inference.networking.k8s.io "
+                             "InferencePool whose endpoint picker is this Service (in the "
+                             "pool's namespace); empty: off (env SLUICE_GIE_ENDPOINT_PICKER)")
+    parser.add_argument("--gie-endpoint-picker-port", type=int, default=DEFAULT_PICKER_PORT)
+    parser.add_argument("--gie-failure-mode", choices=FAILURE_MODES, default="FailClose")
+    parser.add_argument("--gie-namespace", default=None,
+                        help="GIE mode: only pools of this namespace (where the picker is)")
     parser.add_argument("--verbose", "-v", action="store_true")
+
+
+def gie_from_args(args: argparse.Namespace) -> GieConfig | None:
+    if not args.gie_endpoint_picker:
+        return None
+    return GieConfig(picker_service=args.gie_endpoint_picker,
+                     picker_port=args.gie_endpoint_picker_port,
+                     failure_mode=args.gie_failure_mode, namespace=args.gie_namespace or None)
 
 
 def config_from_args(args: argparse.Namespace) -> OperatorConfig:
@@ -49,7 +67,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         priority=args.priority if args.priority is not None else random.randint(1, 2**31 - 1),
         resync_interval_s=args.resync_interval,
         autoscale_interval_s=args.autoscale_interval, redis_url=args.redis_url,
-        liveness_endpoint=args.liveness or None,
+        liveness_endpoint=args.liveness or None, gie=gie_from_args(args),
     )
 
 

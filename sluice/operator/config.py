@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sluice.operator.render import RenderConfig
+from sluice.operator.render_gie import GieConfig
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,7 @@ class OperatorConfig:
     metrics_timeout_s: float = 2.0
     redis_url: str | None = None  # the gateway's Redis, for the index finalizer
     liveness_endpoint: str | None = None  # e.g. http://0.0.0.0:8080/healthz
+    gie: GieConfig | None = None  # GIE mode (a GIE InferencePool per pool); None: off
 
     @property
     def clusterwide(self) -> bool:

@@ -44,9 +44,13 @@ PDBS = ResourceRef("policy", "v1", "poddisruptionbudgets")
 PODS = ResourceRef("", "v1", "pods")
 PVCS = ResourceRef("", "v1", "persistentvolumeclaims")
 POOLS = ResourceRef("sluice.dev", "v1alpha1", "inferencepools")
+GIE_POOLS = ResourceRef("inference.networking.k8s.io", "v1", "inferencepools")
 
+# The kinds the operator applies as a pool's children ("InferencePool" there is GIE's:
+# our own pool is never a child).
 BY_KIND: dict[str, ResourceRef] = {
     "Deployment": DEPLOYMENTS, "Service": SERVICES, "PodDisruptionBudget": PDBS,
+    "InferencePool": GIE_POOLS,
 }
 
 

@@ -18,9 +18,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sluice.operator import apply, kube
+from sluice.operator import apply, kube, render_gie
 from sluice.operator.observe import observe
 from sluice.operator.render import RenderConfig, render_pool
+from sluice.operator.render_gie import GieConfig
 from sluice.operator.spec import PoolSpec, SpecError
 from sluice.operator.status import compute_status, invalid_spec_status, same_status
 
@@ -42,8 +43,10 @@ class _Slot:
 
 class Reconciler:
     def __init__(self, client: kube.KubeClient, config: RenderConfig, events: EventSink,
-                 clock: Callable[[], str] = utcnow, max_concurrent: int = 16):
+                 clock: Callable[[], str] = utcnow, max_concurrent: int = 16,
+                 gie: GieConfig | None = None):
         self.client, self.config, self.events, self.clock = client, config, events, clock
+        self.gie = gie  # GIE mode: also a GIE InferencePool per pool (render_gie)
         # Bounded concurrency: passes beyond this wait (and coalesce) instead of piling
         # requests onto the API server and the connection pool.
         self.max_concurrent = max_concurrent
@@ -134,6 +137,8 @@ class Reconciler:
                                        prune_orphans=prune, memo=self._applied)
         if prune:
             self._pruned[key] = version
+        if self.gie is not None and self.gie.applies_to(pool.namespace):
+            await self._apply_gie(pool, self.gie, report)
         for name in report.created:
             self.events(body, "Normal", "Created", f"created {name}")
         for name in report.updated:
@@ -151,6 +156,22 @@ class Reconciler:
             gone = set(previous.get("roles") or {}) - set(status["roles"])
             patch = {**status, "roles": {**{r: None for r in gone}, **status["roles"]}}
             await self._write_status(body, patch)
+
+    async def _apply_gie(self, pool: PoolSpec, gie: GieConfig, report: apply.ApplyReport) -> None:
+        """The pool's GIE InferencePool, applied like the other children. A failure (GIE's CRD
+        not installed, RBAC, the name taken) degrades the pool; it does not stop the pass."""
+        ref = render_gie.GIE_POOLS
+        name = f"{render_gie.KIND}.{ref.group}/{pool.name}"  # not our own InferencePool
+        try:
+            action, _ = await apply.apply_child(self.client, render_gie.render_gie_pool(pool, gie),
+                                                pool.uid, self._applied)
+        except apply.NotOwned as e:
+            report.problems.append(("ChildNotOwned", str(e)))
+        except kube.ApiError as e:
+            message = f"{name} not applied ({e}); GIE mode needs the {ref.plural}.{ref.group} CRD"
+            report.problems.append(("GIEPoolFailed", message))
+        else:
+            getattr(report, action).append(name)
 
     async def _write_status(self, body: Mapping[str, Any], status: dict[str, Any]) -> None:
         meta = body["metadata"]

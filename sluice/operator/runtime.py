@@ -32,7 +32,7 @@ def build_runtime(config: OperatorConfig, connection: kopf.ConnectionInfo, *,
         purge = cleanup.redis_purger(config.redis_url) if config.redis_url else cleanup.no_index
     return handlers.Runtime(
         config=config, connection=connection, client=client,
-        reconciler=Reconciler(client, config.render, events),
+        reconciler=Reconciler(client, config.render, events, gie=config.gie),
         autoscaler=Autoscaler(client, sampler, events), purge=purge)
 
 

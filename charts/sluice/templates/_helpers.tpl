@@ -70,3 +70,24 @@ capabilities:
 {{- define "sluice.gatewayNamespace" -}}
 {{- default .Release.Namespace .Values.gateway.watchNamespace -}}
 {{- end -}}
+
+{{/* Fully qualified DNS names Envoy resolves (no reliance on the pod's search path). */}}
+{{- define "sluice.pickerHost" -}}
+{{- printf "%s-picker-headless.%s.svc.%s" (include "sluice.fullname" .) .Release.Namespace .Values.gateway.clusterDomain -}}
+{{- end -}}
+
+{{- define "sluice.enginesHost" -}}
+{{- printf "%s-engines.%s.svc.%s" (include "sluice.fullname" .) (include "sluice.gatewayNamespace" .) .Values.gateway.clusterDomain -}}
+{{- end -}}
+
+{{/* Settings that only work together, checked once for every template that uses them. */}}
+{{- define "sluice.checkGie" -}}
+{{- if .Values.gie.enabled }}
+{{- if not .Values.gateway.enabled }}
+{{- fail "gie.enabled needs gateway.enabled: the GIE InferencePools name the chart's picker as their endpoint picker" }}
+{{- end }}
+{{- if ne (include "sluice.gatewayNamespace" .) .Release.Namespace }}
+{{- fail "gie.enabled needs gateway.watchNamespace empty or the release namespace: an InferencePool's endpointPickerRef names a Service in its own namespace" }}
+{{- end }}
+{{- end }}
+{{- end -}}

