@@ -16,8 +16,7 @@ from sluice.gateway.event_sockets import EventSource, PodState
 from sluice.gateway.local_index import LocalIndex
 from sluice.gateway.prefix_index import PrefixIndex
 from sluice.gateway.redis_apply import encode_ops
-from sluice.gateway.redis_index import RedisIndex
-from sluice.gateway.resp_client import RespClient
+from sluice.gateway.redis_index import RedisIndex, async_client
 from sluice.kv_events import BlockStored, KVEventBatch, encode_batch
 
 POD = "x:1"
@@ -105,7 +104,7 @@ def test_batches_of_other_replicas_wait_for_a_resync_to_end(srv):
     url = f"redis://127.0.0.1:{srv.port}/0"
     b = RedisIndex.from_url(url, 1.0)
     a_client = AfterBigWrite(port=srv.port)
-    a = RedisIndex(a_client, RespClient(url, timeout_s=1.0))
+    a = RedisIndex(a_client, async_client(url, 1.0))
     filler = {f"f{j}": f"{j + 100:016x}" for j in range(12_000)}
     for i in range(4):
         assert b.apply(POD, i, encode_ops([*(filler.items() if i == 0 else []),
@@ -138,7 +137,7 @@ def test_a_rewrite_abandoned_half_way_is_taken_over(srv, monkeypatch):
     for i in range(4):
         b.apply(POD, i, [(f"e{i}", key(i))], [], False, BS, ts=100.0 + i)
     a_client = AfterBigWrite(port=srv.port)
-    a = RedisIndex(a_client, RespClient(url, timeout_s=1.0), lease_ms=300)
+    a = RedisIndex(a_client, async_client(url, 1.0), lease_ms=300)
 
     def dies():
         raise RuntimeError("replica A is gone")

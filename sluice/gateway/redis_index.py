@@ -1,9 +1,9 @@
 """The shared prefix index and load table in Redis (layout: `sluice.index_keys`).
 
 Writes come from each gateway's event feeder thread (redis-py's sync client),
-reads and speculative writes from request handlers (`RespClient`, a lean
-asyncio client: redis-py's costs ~120 us of Python per call). Every multi-key
-operation is one Lua script, so it is atomic and costs one round trip:
+reads and speculative writes from request handlers (redis-py's asyncio client,
+`async_client`; every call bounded by a deadline: `redis_script`). Every
+multi-key operation is one Lua script, so it is atomic and costs one round trip:
 
 - `apply(pod, seq, ops)`: applies one event batch unless `seq` is not newer
   than the pod's stored seq (`redis_apply`). With several gateway replicas each
@@ -20,16 +20,22 @@ operation is one Lua script, so it is atomic and costs one round trip:
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
+import redis.asyncio
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.maint_notifications import MaintNotificationsConfig
+from redis.retry import Retry
 
 from sluice import index_keys as ik
-from sluice.gateway.redis_apply import APPLY, P, Outcome
+from sluice.gateway.redis_apply import APPLY, Outcome, P
 from sluice.gateway.redis_rewrite import PodRewriter
-from sluice.gateway.redis_script import Script, run_scripts
-from sluice.gateway.resp_client import RespClient
+from sluice.gateway.redis_script import Script, bounded, pipeline, raise_first, run_scripts
 
 assert ik.pod_spec_key("X") == P + "pod:X:spec" and ik.load_key("X") == P + "load:X"
 assert ik.SPEC_CHANNEL == P + "spec"
@@ -116,16 +122,50 @@ return #keys
 """
 
 
+# Connections of one gateway's asyncio client. Each call holds one for its round
+# trip (redis-py does not multiplex a connection), so this bounds the lookups in
+# flight; more callers wait for a free one, within their own deadline.
+POOL_SIZE = 16
+HEALTH_CHECK_INTERVAL_S = 10
+
+
+def async_client(url: str, timeout_s: float) -> redis.asyncio.Redis:
+    """redis-py's asyncio client as request handlers use it (see `redis_script` for
+    how each call is bounded):
+
+    - no socket timeout of its own: every call has a deadline, which also covers
+      a connection gone silent (redis-py closes one whose read was interrupted);
+      connects are bounded by `timeout_s` too.
+    - one immediate retry, on a new connection, of a call whose connection turns
+      out dead (a ConnectionError: reset by a NAT, or by a Redis restart not yet
+      seen), so that does not fail a request; a Redis that is down refuses the
+      retry as fast. Not redis-py's default of 3 retries with back-off: against a
+      hung Redis that stalls ~10 s, and the caller has its own fallback.
+    - a connection idle for `HEALTH_CHECK_INTERVAL_S` is pinged before use.
+    - no maintenance notifications (a Redis Enterprise feature): with them on,
+      redis-py hands out a pooled connection Redis has closed without checking.
+    """
+    pool = redis.asyncio.BlockingConnectionPool.from_url(
+        url, max_connections=POOL_SIZE, timeout=None,
+        retry=AsyncRetry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+        socket_timeout=None, socket_connect_timeout=timeout_s,
+        health_check_interval=HEALTH_CHECK_INTERVAL_S,
+        maint_notifications_config=MaintNotificationsConfig(enabled=False))
+    return redis.asyncio.Redis.from_pool(pool)  # (its aclose() closes the pool)
+
+
 class RedisIndex:
     """Thin typed wrapper over the scripts; raises redis errors to the caller.
 
     `lease_ms`: how long this replica's fence on a pod it rewrites outlasts its
-    last step (see `redis_rewrite`)."""
+    last step (see `redis_rewrite`). `timeout_s`: the deadline of an asyncio call
+    whose caller gives none."""
 
-    def __init__(self, sync_client: Any, async_client: RespClient,
-                 lease_ms: int = 10_000) -> None:
+    def __init__(self, sync_client: Any, async_client: redis.asyncio.Redis,
+                 lease_ms: int = 10_000, timeout_s: float = 1.0) -> None:
         self.sync = sync_client
         self.aio = async_client
+        self.timeout_s = timeout_s
         self._apply = sync_client.register_script(APPLY)
         self.replica_id = uuid.uuid4().hex  # (this gateway replica's, in fences and mirrors)
         self._rewriter = PodRewriter(sync_client, self._apply, self.replica_id, lease_ms)
@@ -135,20 +175,16 @@ class RedisIndex:
 
     @classmethod
     def from_url(cls, url: str, timeout_s: float, lease_ms: int = 10_000) -> RedisIndex:
-        """Clients that fail after `timeout_s`, without redis-py's retries: the caller
-        has its own fallback (the local view), and a retried call against a hung
-        Redis (3 retries with back-off) stalls ~10 s instead of `timeout_s`."""
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
-        # health_check_interval: a connection idle that long is pinged before use,
-        # so one dropped by a NAT or load balancer is replaced, not an outage
+        """Clients that fail after `timeout_s`: the sync one without redis-py's
+        retries (3 with back-off stall ~10 s against a hung Redis, and the caller
+        has its own fallback), the asyncio one as `async_client` says."""
         opts = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
-                "health_check_interval": 10}
+                "health_check_interval": HEALTH_CHECK_INTERVAL_S}
         return cls(redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **opts),
-                   RespClient(url, timeout_s=timeout_s, health_check_interval_s=10),
-                   lease_ms)
+                   async_client(url, timeout_s), lease_ms, timeout_s)
+
+    def _deadline(self, deadline: float | None) -> float:
+        return time.monotonic() + self.timeout_s if deadline is None else deadline
 
     def apply(self, pod: str, seq: int, ops: bytes, ts: float = 0.0, epoch: str = "") -> Outcome:
         """Apply feed batch `seq` (>= 0) of `pod`, unless stale, fenced or Redis's
@@ -207,7 +243,7 @@ class RedisIndex:
         pod the number of keys it holds; TimeoutError past `deadline`
         (`time.monotonic()`)."""
         hits_flat, loads, held_flat = await self._lookup(
-            [P, now_ms, len(pods), *pods, _blob(keys)], deadline)
+            [P, now_ms, len(pods), *pods, _blob(keys)], self._deadline(deadline))
         hits, held = _pairs(hits_flat), _pairs(held_flat)
         table = {_s(row[0]): {"waiting": float(row[1]), "running": float(row[2]),
                               "kv_usage": float(row[3]), "ts_ms": float(row[4])}
@@ -228,14 +264,15 @@ class RedisIndex:
         """Send the queued speculations now."""
         calls = self._take_pending()
         if calls:
-            await run_scripts(self.aio, calls, deadline)
+            await run_scripts(self.aio, calls, self._deadline(deadline))
 
     def _take_pending(self) -> list[tuple[Script, list[Any]]]:
         calls, self._pending = self._pending, []
         return calls
 
     async def write_loads(self, loads: dict[str, dict[str, float]], ttl_ms: int,
-                          read: list[str] = ()) -> dict[str, dict[str, float]]:
+                          read: list[str] = (), deadline: float | None = None
+                          ) -> dict[str, dict[str, float]]:
         """Write load entries (TTL `ttl_ms`); in the same round trip read the
         unexpired entries of the pods `read` (after the writes)."""
         cmds: list[tuple] = []
@@ -243,7 +280,10 @@ class RedisIndex:
             cmds.append(("HSET", ik.load_key(pod), *(x for kv in fields.items() for x in kv)))
             cmds.append(("PEXPIRE", ik.load_key(pod), ttl_ms))
         cmds.extend(("HMGET", ik.load_key(pod), *ik.LOAD_FIELDS) for pod in read)
-        replies = await self.aio.pipeline(cmds)
+        if not cmds:
+            return {}
+        replies = await bounded(pipeline(self.aio, cmds), self._deadline(deadline))
+        raise_first(replies)
         out = {}
         for pod, row in zip(read, replies[len(cmds) - len(read):]):
             try:
