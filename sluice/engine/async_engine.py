@@ -55,10 +55,9 @@ class AsyncEngine:
         """
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error!r}")
-        limit = self.engine.config.scheduler.max_waiting_requests
-        waiting_now = self._num_pending - len(self.engine.scheduler.running)
-        if waiting_now >= limit:
-            raise EngineOverloadedError(f"{waiting_now} requests are waiting (limit {limit})")
+        if self.waiting_room() <= 0:
+            limit = self.engine.config.scheduler.max_waiting_requests
+            raise EngineOverloadedError(f"the waiting queue is full (limit {limit})")
         loop = asyncio.get_running_loop()
         out_q: asyncio.Queue = asyncio.Queue()
         done = loop.create_future()
@@ -83,6 +82,16 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    def waiting_room(self) -> int:
+        """How many more requests the waiting queue takes now (max_waiting_requests - waiting).
+
+        Read on the event loop while the engine thread runs: exact for requests this
+        loop adds (counted at once), at most a step stale for those the scheduler admits.
+        """
+        limit = self.engine.config.scheduler.max_waiting_requests
+        waiting_now = self._num_pending - len(self.engine.scheduler.running)
+        return max(0, limit - waiting_now)
 
     async def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block (AllBlocksCleared); False while requests hold blocks."""

@@ -40,6 +40,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="bounded waiting queue; beyond it requests get 429")
+    p.add_argument("--max-request-body-bytes", type=_positive_int, default=16 * 1024 * 1024,
+                   help="largest HTTP request body accepted, in bytes (default 16 MiB); a "
+                        "larger one gets 413 before it is read or parsed (Sluice's own flag: "
+                        "vLLM has none)")
+    p.add_argument("--max-prompts-per-request", type=_positive_int, default=64,
+                   help="most prompts one /v1/completions request may batch (default 64); "
+                        "more get 400. n x prompts must also fit the waiting queue's free "
+                        "room (--max-waiting-requests), else 429 (Sluice's own flag)")
     p.add_argument("--kv-events-endpoint", default=None,
                    help="ZMQ PUB endpoint for KV-cache events, e.g. tcp://*:5557")
     p.add_argument("--kv-events-replay-endpoint", default=None,
@@ -53,6 +61,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU threads for torch (default: all cores; use 1 per engine when "
                         "several engines share a machine: oversubscribed threads stall)")
     p.add_argument("--log-level", default="info")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -124,7 +139,9 @@ def main(args: argparse.Namespace) -> int:
     llm = LLMEngine(config, tokenizer, record_kv_events=publisher is not None)
     on_step = (lambda: publisher.publish(llm.kv.take_events())) if publisher else None
     engine = AsyncEngine(llm, on_step=on_step)
-    app = build_app(engine, tokenizer, config.served_model_name, defaults)
+    app = build_app(engine, tokenizer, config.served_model_name, defaults,
+                    max_request_body_bytes=args.max_request_body_bytes,
+                    max_prompts_per_request=args.max_prompts_per_request)
     log.info("serving %s on http://%s:%d", config.served_model_name, args.host, args.port)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),

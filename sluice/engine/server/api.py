@@ -1,10 +1,14 @@
 """The engine's OpenAI-compatible HTTP API (FastAPI).
 
-Every error is OpenAI-shaped JSON: 400 for invalid bodies and values or a
-prompt that does not fit the context, 404 for an unknown model, 429 with
-Retry-After when the waiting queue is full, 503 when the engine is down. A
-client that disconnects (streaming or not) aborts its requests at once, which
-frees their KV blocks.
+Every error is OpenAI-shaped JSON (`errors.py`), and no client input gets a
+5xx: 400 for a body that is not strict JSON (`json_body.py`), has the wrong
+types or values (`protocol.py`), text the tokenizer or chat template refuses,
+token ids outside the vocabulary, or a prompt that does not fit the context
+(`validation.py`); 404 for an unknown model or path, 405 for a wrong method,
+413 for a body over --max-request-body-bytes (`body_limit.py`), 429 with
+Retry-After when the waiting queue has no room for all of a request's n x
+prompts sub-requests, 503 when the engine is down. A client that disconnects
+(streaming or not) aborts its requests at once, which frees their KV blocks.
 """
 
 from __future__ import annotations
@@ -14,29 +18,38 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sluice.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
 from sluice.engine.server import formatting as fmt
-from sluice.engine.server.errors import error_response
+from sluice.engine.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
+from sluice.engine.server.errors import RequestError, error_response, install_error_handlers
+from sluice.engine.server.json_body import StrictJSONRoute
 from sluice.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from sluice.engine.server.validation import (
+    DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    Limits,
+    chat_prompt,
+    check_context,
+    check_queue_room,
+    completion_prompts,
+)
+from sluice.openai_error import error_body
 
 
 def build_app(engine: AsyncEngine, tokenizer, model_name: str,
-              sampling_defaults: dict | None = None) -> FastAPI:
+              sampling_defaults: dict | None = None, *,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST) -> FastAPI:
     """`sampling_defaults`: per-model defaults for fields a request leaves out."""
     app = FastAPI(title="Sluice engine")
+    app.router.route_class = StrictJSONRoute  # before any route: each one parses strictly
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
     llm = engine.engine
     max_model_len = llm.max_model_len
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return error_response(f"{loc}: {first.get('msg', 'invalid request')}".strip(": "), 400,
-                              loc or None)
+    limits = Limits(max_model_len, llm.model.config.vocab_size, max_prompts_per_request)
 
     @app.get("/health")
     async def health():
@@ -61,36 +74,32 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str,
     async def metrics():
         return Response(generate_latest(llm.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    def check_model(body) -> JSONResponse | None:
+    def check_model(body) -> None:
         if body.model not in (None, model_name):
-            return error_response(f"The model `{body.model}` does not exist.", 404, "model")
-        return None
+            raise RequestError(f"The model `{body.model}` does not exist.", "model", 404)
 
     def default_max_tokens(prompt_len: int) -> int:
         return max(1, max_model_len - prompt_len)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
-        if (err := check_model(body)) is not None:
-            return err
-        try:
-            prompts = _completion_prompts(body.prompt, tokenizer)
-        except ValueError as exc:
-            return error_response(str(exc), 400, "prompt")
+        check_model(body)
+        prompts = await completion_prompts(body.prompt, tokenizer, limits)
         rid = f"cmpl-{uuid.uuid4().hex}"
         return await _serve(raw, body, prompts, rid, "text_completion", chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request):
-        if (err := check_model(body)) is not None:
-            return err
+        check_model(body)
         if tokenizer is None:
-            return error_response("this model has no tokenizer / chat template", 400)
-        try:
-            ids = tokenizer.encode_chat(body.message_dicts(), body.add_generation_prompt,
-                                        body.tools, **(body.chat_template_kwargs or {}))
-        except Exception as exc:  # a template error is the request's fault
-            return error_response(f"cannot apply the chat template: {exc}", 400, "messages")
+            raise RequestError("this model has no tokenizer / chat template", "messages")
+
+        def encode() -> list[int]:
+            return tokenizer.encode_chat(body.message_dicts(), body.add_generation_prompt,
+                                         body.tools, **(body.chat_template_kwargs or {}))
+
+        rendered = [m.model_dump() for m in body.messages], body.tools, body.chat_template_kwargs
+        ids = await chat_prompt(rendered, encode, limits)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         return await _serve(raw, body, [ids], rid, "chat.completion", chat=True)
 
@@ -100,6 +109,14 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str,
             n_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         else:
             n_logprobs = body.logprobs
+        max_tokens, max_tokens_param = body.requested_max_tokens()
+        for ids in prompts:
+            check_context(len(ids), max_tokens, max_model_len, "messages" if chat else "prompt",
+                          max_tokens_param)
+        # All n x prompts sub-requests enter the waiting queue: refuse them together, up
+        # front, rather than queue some and abort them when a later one finds it full.
+        check_queue_room(len(prompts) * body.n, engine.waiting_room(),
+                         llm.config.scheduler.max_waiting_requests)
         streams: list[AsyncIterator] = []
         try:
             # Choice i is sample i % n of prompt i // n (OpenAI's order for n > 1).
@@ -171,35 +188,13 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str,
             if include_usage:
                 yield fmt.sse({**head, "choices": [], "usage": fmt.usage(choices)})
         except EngineDeadError as exc:
-            yield fmt.sse({"error": {"message": str(exc), "type": "ServiceUnavailableError",
-                                     "code": 503}})
+            yield fmt.sse(error_body(503, str(exc)))
         finally:
             for s in streams:
                 await s.aclose()
         yield fmt.sse("[DONE]")
 
     return app
-
-
-def _completion_prompts(prompt, tokenizer) -> list[list[int]]:
-    """Normalise the four OpenAI prompt forms to a list of token-id lists."""
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    if not prompt:
-        raise ValueError("prompt must not be empty")
-    if all(isinstance(x, int) for x in prompt):
-        return [list(prompt)]
-    out = []
-    for p in prompt:
-        if isinstance(p, str):
-            if tokenizer is None:
-                raise ValueError("this model has no tokenizer; send token ids")
-            out.append(tokenizer.encode(p))
-        elif isinstance(p, list) and p and all(isinstance(x, int) for x in p):
-            out.append(list(p))
-        else:
-            raise ValueError("prompt must be a string, a list of strings, or token ids")
-    return out
 
 
 async def _prime(gen: AsyncIterator):

@@ -1,8 +1,18 @@
-"""OpenAI request bodies (the fields vLLM accepts that Sluice implements)."""
+"""OpenAI request bodies (the fields vLLM accepts that Sluice implements).
+
+Strict types, no coercion (pydantic strict mode): `"5"` or `true` is not a
+number, `1` is not a bool, `1.0` is not an int; only JSON integers widen to
+floats. Integers the engine hands to torch are bounded to int64 (a larger one
+would overflow inside the engine loop), and the lists it scans on every step
+(stop strings, stop token ids) are bounded so one request cannot slow everyone.
+Every list fails fast: pydantic otherwise reports one error per bad element
+for each member of a union, and a 12 MB `"prompt": [true, true, ...]` took it
+half a minute on the event loop.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -10,27 +20,45 @@ from sluice.chat_template import template_messages
 from sluice.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16  # choices per prompt
+INT64_MAX = 2**63 - 1
+MAX_STOP_STRINGS = 64  # checked against the new text on every step
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+
+_STRICT = ConfigDict(strict=True)
+_FAIL_FAST = Field(fail_fast=True)  # stop a list at its first bad element
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+StopList = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS, fail_fast=True)]
+PromptIds = Annotated[list[int], _FAIL_FAST]  # checked against the vocabulary later
+Prompt = (str | Annotated[list[str], _FAIL_FAST] | PromptIds
+          | Annotated[list[PromptIds], _FAIL_FAST])
+JSONObjects = Annotated[list[dict[str, Any]], _FAIL_FAST]
 
 
 class StreamOptions(BaseModel):
+    model_config = _STRICT
+
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: int | None = None
+    # seed + choice index seeds a torch.Generator: int64, as vLLM bounds it.
+    seed: int | None = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX - MAX_N)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: StopString | StopList | None = None
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS,
+                                                 fail_fast=True)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     n: int = Field(default=1, ge=1, le=MAX_N)
@@ -74,33 +102,42 @@ class _SamplingFields(BaseModel):
     def _max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """The completion length the request asks for (None: fill the context) and its field."""
+        return self._max_tokens(), "max_tokens"
+
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: Literal[False] = False
     suffix: None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | JSONObjects | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    tools: list[dict[str, Any]] | None = None
+    tools: JSONObjects | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
 
     def message_dicts(self) -> list[dict[str, Any]]:
         """Messages for the chat template (`template_messages`: the gateway's too)."""
