@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
-from sluice.gateway.load import LoadTable
-from sluice.gateway.local_index import LocalIndex
-from sluice.gateway.prefix_index import PrefixIndex
+from sluice.gateway.index.local_index import LocalIndex
+from sluice.gateway.index.prefix_index import PrefixIndex
+from sluice.gateway.load.table import LoadTable
 from sluice.gateway.routing.config import RoutingConfig
 from sluice.gateway.routing.router import Router
 from sluice.gateway.routing.strategies import make_strategy

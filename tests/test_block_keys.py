@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sluice.gateway.block_keys import chain_keys, request_keys, root_key
+from sluice.gateway.prompt.block_keys import chain_keys, request_keys, root_key
 
 
 def by_the_definition(model: str, block_size: int, ids: list[int]) -> list[str]:

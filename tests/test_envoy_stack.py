@@ -4,7 +4,6 @@ engines (tiny model) + real Redis, all started by `LocalStack` as `sluice up` do
 from __future__ import annotations
 
 import io
-import json
 import socket
 import threading
 import time

@@ -15,10 +15,10 @@ from prometheus_client import generate_latest
 from redis_server import RedisServer
 
 from sluice import index_keys as ik
-from sluice.gateway.block_keys import request_keys
 from sluice.gateway.core import CoreConfig, RoutingCore
-from sluice.gateway.discovery import StaticDiscovery, parse_engine_spec
-from sluice.gateway.prompt import PromptTokenizer
+from sluice.gateway.discovery.static import StaticDiscovery, parse_engine_spec
+from sluice.gateway.prompt.block_keys import request_keys
+from sluice.gateway.prompt.tokenize import PromptTokenizer
 from sluice.gateway.routing.config import RoutingConfig
 
 MODEL = "tiny-chat"

@@ -3,7 +3,7 @@ only while a request's prefill is pending."""
 
 import asyncio
 
-from sluice.gateway.inflight import InFlight
+from sluice.gateway.load.inflight import InFlight
 from sluice.gateway.routing.router import Decision
 
 

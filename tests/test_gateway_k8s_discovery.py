@@ -4,7 +4,7 @@
 import asyncio
 import queue
 
-from sluice.gateway.k8s_discovery import KubernetesDiscovery, pod_endpoint
+from sluice.gateway.discovery.kubernetes import KubernetesDiscovery, pod_endpoint
 
 
 def pod(name, ip, ready=True, pool="p1", deleting=False, http=8000):

@@ -3,10 +3,10 @@
 import asyncio
 from dataclasses import replace
 
-from sluice.gateway.discovery import Endpoint
-from sluice.gateway.health import HealthTracker
-from sluice.gateway.load import LoadTable
-from sluice.gateway.registry import PodRegistry
+from sluice.gateway.discovery.health import HealthTracker
+from sluice.gateway.discovery.registry import PodRegistry
+from sluice.gateway.discovery.static import Endpoint
+from sluice.gateway.load.table import LoadTable
 
 
 class FakeFeeder:
@@ -56,7 +56,7 @@ def test_a_pod_briefly_gone_keeps_its_index_and_a_pod_gone_for_good_loses_it():
 def test_engine_specs():
     import pytest
 
-    from sluice.gateway.discovery import parse_engine_spec
+    from sluice.gateway.discovery.static import parse_engine_spec
 
     ep = parse_engine_spec("10.0.0.5:8000,events=tcp://10.0.0.5:5557,replay=ipc:///tmp/r,"
                            "model=m,pool=p")
@@ -76,11 +76,11 @@ def test_lora_adapter_requests_hit_only_blocks_cached_under_the_adapter():
 
     from routing_testing import Pods, make_router
 
-    from sluice.gateway.block_keys import request_keys
-    from sluice.gateway.local_index import LocalIndex
-    from sluice.gateway.prefix_index import PrefixIndex
+    from sluice.gateway.events.translate import translate
+    from sluice.gateway.index.local_index import LocalIndex
+    from sluice.gateway.index.prefix_index import PrefixIndex
+    from sluice.gateway.prompt.block_keys import request_keys
     from sluice.gateway.routing.config import RoutingConfig
-    from sluice.gateway.translate import translate
     from sluice.kv_events import BlockStored, KVEventBatch
 
     class FakeHttp:

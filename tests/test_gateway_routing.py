@@ -6,10 +6,10 @@ import time
 
 from routing_testing import Pods, make_router
 
-from sluice.gateway.block_keys import request_keys
-from sluice.gateway.load import EngineMetrics, LoadTable
-from sluice.gateway.local_index import LocalIndex
-from sluice.gateway.prefix_index import PrefixIndex
+from sluice.gateway.index.local_index import LocalIndex
+from sluice.gateway.index.prefix_index import PrefixIndex
+from sluice.gateway.load.table import EngineMetrics, LoadTable
+from sluice.gateway.prompt.block_keys import request_keys
 from sluice.gateway.routing.config import RoutingConfig
 
 PODS = ["p0:1", "p1:1", "p2:1", "p3:1"]
@@ -150,7 +150,7 @@ def test_prefix_strategy_uses_routing_history_only():
 
 
 def test_parse_engine_metrics():
-    from sluice.gateway.load import parse_engine_metrics
+    from sluice.gateway.load.table import parse_engine_metrics
     text = """# HELP vllm:num_requests_waiting x
 vllm:num_requests_waiting{model_name="m"} 3.0
 vllm:num_requests_running{model_name="m"} 2.0
@@ -168,7 +168,7 @@ vllm:prefix_cache_hits_created{model_name="m"} 1.7e9
 
 
 def test_kv_usage_of_a_data_parallel_server_is_the_mean_of_its_engines():
-    from sluice.gateway.load import parse_engine_metrics
+    from sluice.gateway.load.table import parse_engine_metrics
     text = """vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
 vllm:num_requests_waiting{engine="1",model_name="m"} 1.0
 vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
@@ -240,7 +240,7 @@ def test_pods_with_other_block_sizes_compare_prefill_in_tokens():
 
 def test_the_block_size_of_a_pods_events_is_used_before_any_scrape():
     from sluice.gateway.core import CoreConfig, RoutingCore
-    from sluice.gateway.discovery import Endpoint, StaticDiscovery
+    from sluice.gateway.discovery.static import Endpoint, StaticDiscovery
 
     eps = [Endpoint(pod=p, url=f"http://{p}", model="m", pool="m") for p in PODS]
     gw = RoutingCore(CoreConfig(routing=RoutingConfig(strategy="kv_aware")), StaticDiscovery(eps))

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.trainers import BpeTrainer
 
 from sluice.default_model import resolve_model
-from sluice.gateway.segment_encoder import SegmentEncoder
+from sluice.gateway.prompt.segment_cache import SegmentEncoder
 from sluice.tokenizer import Tokenizer
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]

@@ -11,9 +11,9 @@ import redis
 from redis_server import RedisServer
 
 from sluice import index_keys as ik
-from sluice.gateway.local_index import LocalIndex
-from sluice.gateway.prefix_index import PrefixIndex
-from sluice.gateway.redis_index import RedisIndex
+from sluice.gateway.index.local_index import LocalIndex
+from sluice.gateway.index.prefix_index import PrefixIndex
+from sluice.gateway.index.redis_index import RedisIndex
 
 POD = "a:1"
 BS = 4

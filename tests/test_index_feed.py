@@ -10,12 +10,12 @@ from redis_server import RedisServer
 
 from sluice import index_keys as ik
 from sluice.engine.kv_publisher import KVEventPublisher
-from sluice.gateway.block_keys import request_keys
-from sluice.gateway.event_feed import EventFeeder
-from sluice.gateway.event_sockets import EventSource, PodState
-from sluice.gateway.local_index import LocalIndex
-from sluice.gateway.prefix_index import PrefixIndex
-from sluice.gateway.redis_index import RedisIndex
+from sluice.gateway.events.feed import EventFeeder
+from sluice.gateway.events.sockets import EventSource, PodState
+from sluice.gateway.index.local_index import LocalIndex
+from sluice.gateway.index.prefix_index import PrefixIndex
+from sluice.gateway.index.redis_index import RedisIndex
+from sluice.gateway.prompt.block_keys import request_keys
 from sluice.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -339,7 +339,7 @@ def test_a_burst_of_one_prefix_sticks_with_redis_up(srv):
     speculative flush interval, go to the first one's pod as hits."""
     from routing_testing import Pods, make_router
 
-    from sluice.gateway.load import EngineMetrics, LoadTable
+    from sluice.gateway.load.table import EngineMetrics, LoadTable
     from sluice.gateway.routing.config import RoutingConfig
 
     pods = ["p0:1", "p1:1", "p2:1", "p3:1"]
@@ -449,7 +449,7 @@ def test_a_batch_seen_twice_after_warming_from_redis_is_no_restart(srv):
     """Replica B reads pod X's position (seq 3, its ts) from Redis while batch 3 still
     waits in its socket: that duplicate must not be taken for a restart (which would
     purge X for every replica); a batch with seq back and a newer ts is one."""
-    from sluice.gateway.event_sockets import PodState
+    from sluice.gateway.events.sockets import PodState
     from sluice.kv_events import KVEventBatch, encode_batch
 
     def batch(ts, events):
@@ -501,7 +501,7 @@ def test_batches_missed_before_the_first_live_one_are_replayed():
     """A new pod whose catch-up replay found nothing, then whose first live batch is
     not seq 0 (batches sent before the subscription went live were dropped by the
     PUB socket): the missed ones are replayed, not lost."""
-    from sluice.gateway.event_sockets import PodState
+    from sluice.gateway.events.sockets import PodState
     from sluice.kv_events import KVEventBatch, encode_batch
 
     a = Engine("a:1", 1)

@@ -15,15 +15,15 @@ from redis.exceptions import ResponseError
 from redis_server import RedisServer
 
 from sluice import index_keys as ik
-from sluice.gateway.local_index import LocalIndex
-from sluice.gateway.prefix_index import PrefixIndex
-from sluice.gateway.redis_apply import encode_ops
-from sluice.gateway.redis_index import (
+from sluice.gateway.index.local_index import LocalIndex
+from sluice.gateway.index.prefix_index import PrefixIndex
+from sluice.gateway.index.redis_apply import encode_ops
+from sluice.gateway.index.redis_index import (
     HEALTH_CHECK_INTERVAL_S,
     POOL_SIZE,
     RedisIndex,
 )
-from sluice.gateway.redis_script import Script, run_scripts
+from sluice.gateway.index.redis_script import Script, run_scripts
 
 BS = 4
 KEYS = [f"{i:016x}" for i in range(1, 9)]

@@ -10,13 +10,13 @@ import redis
 from redis_server import RedisServer
 
 from sluice import index_keys as ik
-from sluice.gateway.block_keys import request_keys
-from sluice.gateway.event_feed import EventFeeder
-from sluice.gateway.event_sockets import EventSource, PodState
-from sluice.gateway.local_index import LocalIndex
-from sluice.gateway.prefix_index import PrefixIndex
-from sluice.gateway.redis_apply import encode_ops
-from sluice.gateway.redis_index import RedisIndex, async_client
+from sluice.gateway.events.feed import EventFeeder
+from sluice.gateway.events.sockets import EventSource, PodState
+from sluice.gateway.index.local_index import LocalIndex
+from sluice.gateway.index.prefix_index import PrefixIndex
+from sluice.gateway.index.redis_apply import encode_ops
+from sluice.gateway.index.redis_index import RedisIndex, async_client
+from sluice.gateway.prompt.block_keys import request_keys
 from sluice.kv_events import BlockStored, KVEventBatch, encode_batch
 
 POD = "x:1"

@@ -6,13 +6,13 @@ import json
 import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from picker_harness import ExtProcClient, PickerThread, headers, metadata, wait_for
 from fake_engine import ThreadServer as Server
 from fake_engine import fake_engine
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from picker_harness import ExtProcClient, PickerThread, headers, metadata, wait_for
 
 from sluice.gateway.core import CoreConfig, RoutingCore
-from sluice.gateway.discovery import Endpoint, StaticDiscovery
+from sluice.gateway.discovery.static import Endpoint, StaticDiscovery
 from sluice.gateway.routing.config import RoutingConfig
 from sluice.gateway.server.messages import (
     DESTINATION,

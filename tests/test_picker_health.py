@@ -10,8 +10,8 @@ from fake_engine import fake_engine
 from picker_harness import ExtProcClient, PickerThread, headers, metadata, wait_for
 
 from sluice.gateway.core import CoreConfig, RoutingCore
-from sluice.gateway.discovery import Endpoint, StaticDiscovery
-from sluice.gateway.health import HealthTracker
+from sluice.gateway.discovery.health import HealthTracker
+from sluice.gateway.discovery.static import Endpoint, StaticDiscovery
 from sluice.gateway.routing.config import RoutingConfig
 from sluice.gateway.server.messages import LB_NAMESPACE, SERVED
 

@@ -9,12 +9,13 @@ import redis
 from redis_server import RedisServer
 
 from sluice import index_keys as ik
-from sluice.gateway.block_keys import request_keys
-from sluice.gateway.load import EngineMetrics, LoadScraper, LoadTable
-from sluice.gateway.local_index import LocalIndex
-from sluice.gateway.prefix_index import PrefixIndex
-from sluice.gateway.redis_index import RedisIndex
-from sluice.gateway.spec_mirror import SpecMirror, parse_speculation
+from sluice.gateway.index.local_index import LocalIndex
+from sluice.gateway.index.prefix_index import PrefixIndex
+from sluice.gateway.index.redis_index import RedisIndex
+from sluice.gateway.index.spec_mirror import SpecMirror, parse_speculation
+from sluice.gateway.load.scrape import LoadScraper
+from sluice.gateway.load.table import EngineMetrics, LoadTable
+from sluice.gateway.prompt.block_keys import request_keys
 
 KEYS = request_keys("m", 4, list(range(100, 124)))  # 6 keys
 PODS = ["a:1", "b:2"]
@@ -149,7 +150,7 @@ def test_scrapes_read_back_the_newer_loads_other_replicas_wrote(srv):
 
 def test_a_gateway_reading_its_own_view_runs_the_mirror(srv):
     from sluice.gateway.core import CoreConfig, RoutingCore
-    from sluice.gateway.discovery import StaticDiscovery
+    from sluice.gateway.discovery.static import StaticDiscovery
     from sluice.gateway.routing.config import RoutingConfig
 
     gw = RoutingCore(CoreConfig(routing=RoutingConfig(strategy="kv_aware"), redis_url=srv.url),

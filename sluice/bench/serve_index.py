@@ -66,11 +66,11 @@ def main() -> int:
     p.add_argument("--lookups", type=int, default=500)
     args = p.parse_args()
 
-    from sluice.gateway.block_keys import request_keys
-    from sluice.gateway.event_feed import EventFeeder, EventSource
-    from sluice.gateway.local_index import LocalIndex
-    from sluice.gateway.prefix_index import PrefixIndex
-    from sluice.gateway.redis_index import RedisIndex
+    from sluice.gateway.events.feed import EventFeeder, EventSource
+    from sluice.gateway.index.local_index import LocalIndex
+    from sluice.gateway.index.prefix_index import PrefixIndex
+    from sluice.gateway.index.redis_index import RedisIndex
+    from sluice.gateway.prompt.block_keys import request_keys
 
     server = None
     url = args.redis_url

@@ -15,22 +15,23 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from sluice.gateway.discovery import Discovery
-from sluice.gateway.event_feed import EventFeeder
-from sluice.gateway.health import HealthTracker
-from sluice.gateway.inflight import InFlight
-from sluice.gateway.load import LoadScraper, LoadTable
-from sluice.gateway.local_index import LocalIndex, LocalIndexConfig
+from sluice.gateway.discovery.health import HealthTracker
+from sluice.gateway.discovery.pod_client import PodClient
+from sluice.gateway.discovery.registry import PodRegistry
+from sluice.gateway.discovery.static import Discovery
+from sluice.gateway.events.feed import EventFeeder
+from sluice.gateway.index.local_index import LocalIndex, LocalIndexConfig
+from sluice.gateway.index.prefix_index import PrefixIndex
+from sluice.gateway.index.redis_index import RedisIndex
+from sluice.gateway.index.spec_mirror import SpecMirror
+from sluice.gateway.load.inflight import InFlight
+from sluice.gateway.load.scrape import LoadScraper
+from sluice.gateway.load.table import LoadTable
 from sluice.gateway.metrics import GatewayMetrics
-from sluice.gateway.pod_client import PodClient
-from sluice.gateway.prefix_index import PrefixIndex
-from sluice.gateway.prompt import PromptTokenizer
-from sluice.gateway.redis_index import RedisIndex
-from sluice.gateway.registry import PodRegistry
+from sluice.gateway.prompt.tokenize import PromptTokenizer
 from sluice.gateway.routing.config import RoutingConfig
 from sluice.gateway.routing.router import Router
 from sluice.gateway.routing.strategies import make_strategy
-from sluice.gateway.spec_mirror import SpecMirror
 
 log = logging.getLogger("sluice.gateway")
 

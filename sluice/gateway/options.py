@@ -64,8 +64,8 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
 def routing_parts(args: argparse.Namespace):
     """(CoreConfig, Discovery, PromptTokenizer) for `add_routing_arguments`' flags."""
     from sluice.gateway.core import CoreConfig
-    from sluice.gateway.discovery import StaticDiscovery, parse_engine_spec
-    from sluice.gateway.prompt import PromptTokenizer
+    from sluice.gateway.discovery.static import StaticDiscovery, parse_engine_spec
+    from sluice.gateway.prompt.tokenize import PromptTokenizer
 
     routing = RoutingConfig(
         strategy=args.routing, w_prefix=args.w_prefix, w_prefill=args.w_prefill,
@@ -80,7 +80,7 @@ def routing_parts(args: argparse.Namespace):
                      speculative_flush_ms=args.speculative_flush_ms,
                      index_reads=args.index_reads, forget_pod_after_s=args.forget_pod_after)
     if args.discovery == "kubernetes":
-        from sluice.gateway.k8s_discovery import KubernetesDiscovery
+        from sluice.gateway.discovery.kubernetes import KubernetesDiscovery
         discovery = KubernetesDiscovery(args.namespace, args.pool)
     else:
         if not args.engine:

@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from sluice.gateway.block_keys import key_seed, request_keys
-from sluice.gateway.load import LoadTable
-from sluice.gateway.prefix_index import PrefixIndex
+from sluice.gateway.index.prefix_index import PrefixIndex
+from sluice.gateway.load.table import LoadTable
+from sluice.gateway.prompt.block_keys import key_seed, request_keys
 from sluice.gateway.routing.candidate import Candidate
 from sluice.gateway.routing.config import RoutingConfig
 from sluice.gateway.routing.filters import (

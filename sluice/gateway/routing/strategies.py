@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import time
 
-from sluice.gateway.local_index import LocalIndex
-from sluice.gateway.prefix_index import PrefixIndex
+from sluice.gateway.index.local_index import LocalIndex
+from sluice.gateway.index.prefix_index import PrefixIndex
 from sluice.gateway.routing.candidate import Candidate
 from sluice.gateway.routing.config import RoutingConfig
 from sluice.gateway.routing.scorers import (

@@ -33,7 +33,7 @@ def default_tokenizer(core) -> None:
     if not core.strategy.uses_prompt or core.tokenizer.by_model or core.tokenizer.default:
         return
     from sluice.default_model import ModelNotFoundError, resolve_default_model
-    from sluice.gateway.prompt import PromptTokenizer
+    from sluice.gateway.prompt.tokenize import PromptTokenizer
 
     try:
         core.tokenizer = PromptTokenizer.from_paths([resolve_default_model()])

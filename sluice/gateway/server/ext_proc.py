@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from sluice.gateway.inflight import Attempt
+from sluice.gateway.load.inflight import Attempt
 from sluice.gateway.routing.router import Decision
 from sluice.gateway.server import messages as msg
 from sluice.gateway.server.picker import ROUTES, EndpointPicker, Pick

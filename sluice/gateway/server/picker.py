@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 
 from sluice.gateway.core import RoutingCore
-from sluice.gateway.inflight import Attempt
+from sluice.gateway.load.inflight import Attempt
 from sluice.gateway.routing.router import Decision
 from sluice.gateway.server.requests import BadRequest, parse_request
 

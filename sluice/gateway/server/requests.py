@@ -14,7 +14,7 @@ import json
 import re
 from typing import Any
 
-from sluice.gateway.prompt import is_token_id
+from sluice.gateway.prompt.tokenize import is_token_id
 
 # Raw UTF-8 cannot encode a surrogate (json.loads refuses it), so only a body with
 # a `\uD800`..`\uDFFF` escape can hold one: the walk below runs for those only.

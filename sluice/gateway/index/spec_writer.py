@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from redis.exceptions import RedisError, ResponseError
 
-from sluice.gateway.redis_index import RedisIndex
+from sluice.gateway.index.redis_index import RedisIndex
 
 log = logging.getLogger("sluice.gateway.index")
 

@@ -33,9 +33,9 @@ from redis.maint_notifications import MaintNotificationsConfig
 from redis.retry import Retry
 
 from sluice import index_keys as ik
-from sluice.gateway.redis_apply import APPLY, Outcome, P
-from sluice.gateway.redis_rewrite import PodRewriter
-from sluice.gateway.redis_script import Script, bounded, pipeline, raise_first, run_scripts
+from sluice.gateway.index.redis_apply import APPLY, Outcome, P
+from sluice.gateway.index.redis_rewrite import PodRewriter
+from sluice.gateway.index.redis_script import Script, bounded, pipeline, raise_first, run_scripts
 
 assert ik.pod_spec_key("X") == P + "pod:X:spec" and ik.load_key("X") == P + "load:X"
 assert ik.SPEC_CHANNEL == P + "spec"

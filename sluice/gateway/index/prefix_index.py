@@ -25,10 +25,10 @@ from typing import Any, NamedTuple
 
 from redis.exceptions import RedisError
 
-from sluice.gateway.local_index import LocalIndex
-from sluice.gateway.redis_apply import Outcome, encode_ops
-from sluice.gateway.redis_index import RedisIndex
-from sluice.gateway.spec_writer import SpeculationWriter
+from sluice.gateway.index.local_index import LocalIndex
+from sluice.gateway.index.redis_apply import Outcome, encode_ops
+from sluice.gateway.index.redis_index import RedisIndex
+from sluice.gateway.index.spec_writer import SpeculationWriter
 from sluice.index_keys import purge_pods
 
 log = logging.getLogger("sluice.gateway.index")

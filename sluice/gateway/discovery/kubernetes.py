@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from sluice.gateway.discovery import Endpoint, OnChange
+from sluice.gateway.discovery.static import Endpoint, OnChange
 
 log = logging.getLogger("sluice.gateway.k8s")
 

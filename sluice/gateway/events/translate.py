@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sluice.gateway.block_keys import chain_keys, root_key
+from sluice.gateway.prompt.block_keys import chain_keys, root_key
 from sluice.index_keys import engine_hash_field
 from sluice.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 

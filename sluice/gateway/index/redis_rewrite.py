@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sluice.gateway.redis_apply import SERVER_NOW_MS, Outcome, P, encode_ops
+from sluice.gateway.index.redis_apply import SERVER_NOW_MS, Outcome, P, encode_ops
 
 CHUNK = 5000  # view entries per APPLY call
 

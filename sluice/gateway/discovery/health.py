@@ -25,9 +25,9 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from sluice.gateway.pod_client import POD_ERRORS, PodClient
+from sluice.gateway.discovery.pod_client import POD_ERRORS, PodClient
 
-log = logging.getLogger("sluice.gateway.health")
+log = logging.getLogger("sluice.gateway.discovery.health")
 
 
 class HealthTracker:

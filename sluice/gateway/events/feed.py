@@ -41,16 +41,16 @@ import time
 import msgspec
 import zmq
 
-from sluice.gateway.event_replay import batch_ts, read_replay
-from sluice.gateway.event_sockets import (
+from sluice.gateway.events.replay import batch_ts, read_replay
+from sluice.gateway.events.sockets import (
     EventSource,
     PodState,
     ReconnectWatch,
     connect,
     socket_context,
 )
-from sluice.gateway.prefix_index import PrefixIndex
-from sluice.gateway.translate import Translated, translate
+from sluice.gateway.events.translate import Translated, translate
+from sluice.gateway.index.prefix_index import PrefixIndex
 from sluice.kv_events import decode_batch
 
 log = logging.getLogger("sluice.gateway.events")

@@ -16,13 +16,13 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from sluice.gateway.discovery import Endpoint
-from sluice.gateway.event_feed import EventFeeder, EventSource
-from sluice.gateway.health import HealthTracker
-from sluice.gateway.load import LoadTable
-from sluice.gateway.pod_client import POD_ERRORS, PodClient
+from sluice.gateway.discovery.health import HealthTracker
+from sluice.gateway.discovery.pod_client import POD_ERRORS, PodClient
+from sluice.gateway.discovery.static import Endpoint
+from sluice.gateway.events.feed import EventFeeder, EventSource
+from sluice.gateway.load.table import LoadTable
 
-log = logging.getLogger("sluice.gateway.registry")
+log = logging.getLogger("sluice.gateway.discovery.registry")
 
 
 class PodRegistry:

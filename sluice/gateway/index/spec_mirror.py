@@ -23,8 +23,8 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from sluice.gateway.local_index import LocalIndex
-from sluice.gateway.redis_index import KEY_WIDTH
+from sluice.gateway.index.local_index import LocalIndex
+from sluice.gateway.index.redis_index import KEY_WIDTH
 from sluice.index_keys import SPEC_CHANNEL
 
 log = logging.getLogger("sluice.gateway.index")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from sluice.chat_template import template_messages
-from sluice.gateway.segment_encoder import SegmentEncoder
+from sluice.gateway.prompt.segment_cache import SegmentEncoder
 from sluice.tokenizer import Tokenizer
 
 

@@ -1,0 +1,1 @@
+"""Pod load: scraped engine metrics shared through Redis, and the picker's own in-flight counts."""
