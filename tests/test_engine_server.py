@@ -231,3 +231,25 @@ def test_generation_config_defaults(tiny_chat_model, tmp_path):
     finally:
         proc.stop()
         plain.stop()
+
+
+def test_tokenize_gives_the_ids_a_completion_would_use(engine, client, tiny_chat_model):
+    """vLLM's /tokenize, same request and answer shape: the picker may tokenize through
+    it, so it must agree with the engine's own prompt and with the picker's tokenizer."""
+    from sluice.gateway.prompt.tokenize import PromptTokenizer
+
+    picker = PromptTokenizer.from_paths([str(tiny_chat_model)])
+    chat = httpx.post(engine.url + "/tokenize", json={"model": MODEL, "messages": CHAT}).json()
+    assert set(chat) == {"count", "max_model_len", "tokens", "token_strs"}
+    assert chat["max_model_len"] == 1024 and chat["count"] == len(chat["tokens"])
+    used = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1)
+    assert used.usage.prompt_tokens == chat["count"]
+    assert picker.token_ids("chat", {"model": MODEL, "messages": CHAT}) == chat["tokens"]
+    text = httpx.post(engine.url + "/tokenize", json={"prompt": "Once upon a time"}).json()
+    assert text["tokens"] == picker.token_ids("completion", {"prompt": "Once upon a time"})
+    bare = httpx.post(engine.url + "/tokenize",
+                      json={"prompt": "Once upon a time", "add_special_tokens": False}).json()
+    assert bare["count"] <= text["count"]
+    bad = httpx.post(engine.url + "/tokenize", content=b'{"prompt": "a\\ud800b"}',
+                     headers={"content-type": "application/json"})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == 400

@@ -226,3 +226,27 @@ def test_a_flood_of_hostile_requests_leaves_every_normal_request_served(gateway)
         assert 400 <= status < 500 and code == status
         assert keys == {"message", "type", "param", "code"}
     assert all(httpx.get(gateway.url + "/health").json()["pods"].values())
+
+
+def test_a_picker_without_a_tokenizer_tokenizes_through_the_pods(engines, redis_srv):
+    """No --tokenizer: the picker asks a pod's /tokenize, and its keys match the events."""
+    cfg = CoreConfig(routing=RoutingConfig(strategy="kv_aware", speculative_ttl_ms=0),
+                     redis_url=redis_srv.url, redis_timeout_s=0.2)
+    gw = RoutingCore(cfg, StaticDiscovery([parse_engine_spec(s) for _, s in engines]))
+    with Front(gw, [p.url for p, _ in engines]) as front:
+        deadline = time.time() + 20
+        while len(gw.loads.fresh(time.time() * 1000)) < 2:
+            assert time.time() < deadline
+            time.sleep(0.1)
+        messages = chat(700, system="Instructions only this test sends. " * 15)
+        first = complete(front.url, messages)
+        prompt_tokens = first.json()["usage"]["prompt_tokens"]
+        deadline = time.time() + 20
+        while True:  # until the first answer's blocks are indexed from the events
+            again = complete(front.url, messages)
+            if int(again.headers["x-sluice-prefix-hit-blocks"]) == (prompt_tokens - 1) // 16:
+                break
+            assert time.time() < deadline, again.headers
+            time.sleep(0.1)
+        assert again.headers["x-sluice-pod"] == first.headers["x-sluice-pod"]
+        assert gw.metrics.errors.labels("tokenize")._value.get() == 0

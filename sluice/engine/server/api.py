@@ -26,14 +26,21 @@ from sluice.engine.server import formatting as fmt
 from sluice.engine.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
 from sluice.engine.server.errors import RequestError, error_response, install_error_handlers
 from sluice.engine.server.json_body import StrictJSONRoute
-from sluice.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from sluice.engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from sluice.engine.server.validation import (
     DEFAULT_MAX_PROMPTS_PER_REQUEST,
     Limits,
     chat_prompt,
     check_context,
     check_queue_room,
+    check_text_size,
     completion_prompts,
+    tokenize,
 )
 from sluice.openai_error import error_body
 
@@ -102,6 +109,29 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str,
         ids = await chat_prompt(rendered, encode, limits)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         return await _serve(raw, body, [ids], rid, "chat.completion", chat=True)
+
+    @app.post("/tokenize")
+    async def tokenize_prompt(body: TokenizeChatRequest | TokenizeCompletionRequest):
+        """vLLM's endpoint, same request and answer: the ids a completion would get
+        (the endpoint picker tokenizes through it when it has no tokenizer)."""
+        check_model(body)
+        if tokenizer is None:
+            raise RequestError("this model has no tokenizer", None)
+        if isinstance(body, TokenizeChatRequest):
+            def encode() -> list[int]:
+                return tokenizer.encode_chat(body.message_dicts(), body.add_generation_prompt,
+                                             body.tools, **(body.chat_template_kwargs or {}))
+
+            rendered = ([m.model_dump() for m in body.messages], body.tools,
+                        body.chat_template_kwargs)
+            ids = await chat_prompt(rendered, encode, limits)
+        else:
+            text, special = body.prompt, body.add_special_tokens
+            check_text_size(len(text), limits, "prompt")
+            ids = await tokenize(lambda: tokenizer.encode(text, add_special_tokens=special),
+                                 len(text), "prompt")
+        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
+                "token_strs": None}
 
     async def _serve(raw: Request, body, prompts: list[list[int]], rid: str, obj: str,
                      chat: bool):
@@ -179,7 +209,8 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str,
                     item["stop_reason"] = out.stop_reason
                 lps = out.new_logprobs or []
                 if chat:
-                    item["delta"] = {"content": out.new_text} if out.new_text or not out.finished else {}
+                    some = out.new_text or not out.finished
+                    item["delta"] = {"content": out.new_text} if some else {}
                     item["logprobs"] = fmt.chat_logprobs(tokenizer, lps) if lps else None
                 else:
                     item["text"] = out.new_text

@@ -142,3 +142,26 @@ class ChatCompletionRequest(_SamplingFields):
     def message_dicts(self) -> list[dict[str, Any]]:
         """Messages for the chat template (`template_messages`: the gateway's too)."""
         return template_messages([m.model_dump(exclude_none=True) for m in self.messages])
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """vLLM's `POST /tokenize` for text."""
+
+    model_config = _STRICT
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(BaseModel):
+    """vLLM's `POST /tokenize` for a chat: the template rendered as for a completion."""
+
+    model_config = _STRICT
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
+    add_generation_prompt: bool = True
+    tools: JSONObjects | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return template_messages([m.model_dump(exclude_none=True) for m in self.messages])

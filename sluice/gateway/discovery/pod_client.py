@@ -1,9 +1,10 @@
-"""GETs to engine pods (metrics scrapes, /health probes, /v1/models), over aiohttp.
+"""Requests to engine pods (metrics scrapes, /health probes, /v1/models, /tokenize)
+over aiohttp.
 
 Off the request path: Envoy carries every client request. One session, its
 connections kept alive per pod (a scrape every 150 ms per pod would otherwise
-open a connection each time). `get` raises one of `POD_ERRORS` on any transport
-failure or timeout, and returns (status, body) for any HTTP answer.
+open a connection each time). `get` and `post_json` raise one of `POD_ERRORS` on
+any transport failure or timeout, and return (status, body) for any HTTP answer.
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ class PodClient:
         async with self._client().get(url, timeout=timeout, allow_redirects=False) as r:
             body = await r.content.read(MAX_BODY)
             return r.status, body
+
+    async def post_json(self, url: str, body: dict, timeout_s: float) -> tuple[int, bytes]:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with self._client().post(url, json=body, timeout=timeout,
+                                       allow_redirects=False) as r:
+            return r.status, await r.content.read(MAX_BODY)
 
     async def close(self) -> None:
         if self._session is not None:

@@ -28,18 +28,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def default_tokenizer(core) -> None:
     """A strategy that reads the prompt with no `--tokenizer` given: the bundled
-    default model's; a start-up error when there is none (never a silent fall
-    back to load-only routing)."""
+    default model's tokenizer for that model (when installed); any other model's
+    prompts through a pod's `/tokenize` (said at start-up)."""
     if not core.strategy.uses_prompt or core.tokenizer.by_model or core.tokenizer.default:
         return
-    from sluice.default_model import ModelNotFoundError, resolve_default_model
+    from sluice.default_model import (
+        DEFAULT_SERVED_MODEL_NAME,
+        ModelNotFoundError,
+        resolve_default_model,
+    )
     from sluice.gateway.prompt.tokenize import PromptTokenizer
 
     try:
-        core.tokenizer = PromptTokenizer.from_paths([resolve_default_model()])
-    except ModelNotFoundError as err:
-        raise SystemExit(f"sluice epp: --routing {core.strategy.name} needs a tokenizer: "
-                         f"give --tokenizer [MODEL=]PATH ({err})") from None
+        path = resolve_default_model()
+    except ModelNotFoundError:
+        path = None
+    else:
+        core.tokenizer = PromptTokenizer.from_paths([f"{DEFAULT_SERVED_MODEL_NAME}={path}"])
+    log.warning("no --tokenizer: --routing %s tokenizes %s prompts through a pod's "
+                "/tokenize (one more round trip per request)", core.strategy.name,
+                "every model's" if path is None else f"all but {DEFAULT_SERVED_MODEL_NAME}'s")
 
 
 async def _serve(args: argparse.Namespace) -> None:

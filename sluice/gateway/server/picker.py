@@ -8,8 +8,9 @@
    or ineligible subset is a 503;
 4. shedding: when every eligible pod's waiting queue is at `shed_waiting`, 429
    with Retry-After (the engines would queue it or refuse it themselves);
-5. the prompt is tokenized (prefix and kv_aware only; large prompts off the
-   event loop) and the router chooses: the pod, then up to `max_fallbacks`
+5. the prompt is tokenized (strategies that read it only; large prompts off
+   the event loop; by a pod's `/tokenize` when the picker has no tokenizer for
+   the model) and the router chooses: the pod, then up to `max_fallbacks`
    others, best first.
 
 In-flight accounting (`InFlight`) follows the pod that really served: the data
@@ -20,11 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import time
 from dataclasses import dataclass
 
 from sluice.gateway.core import RoutingCore
+from sluice.gateway.discovery.pod_client import POD_ERRORS
 from sluice.gateway.load.inflight import Attempt
 from sluice.gateway.routing.router import Decision
 from sluice.gateway.server.requests import BadRequest, parse_request
@@ -33,6 +36,7 @@ log = logging.getLogger("sluice.gateway.picker")
 
 ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 INLINE_TOKENIZE_BYTES = 16 * 1024  # larger bodies are tokenized on a worker thread
+REMOTE_TOKENIZE_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -93,7 +97,7 @@ class EndpointPicker:
             return Rejection(429, f"every engine of {model!r} has {self.cfg.shed_waiting} "
                                   "or more requests waiting", retry_after=1)
         started = time.perf_counter()
-        token_ids = await self._token_ids(kind, data, len(body))
+        token_ids = await self._token_ids(kind, data, len(body), pods)
         salt = data.get("cache_salt")
         d = await core.router.route(model, token_ids or [], pods, frozenset(),
                                     salt if isinstance(salt, str) else None)
@@ -109,18 +113,49 @@ class EndpointPicker:
         rows = [fresh.get(p) for p in pods]
         return all(r is not None and r["waiting"] >= self.cfg.shed_waiting for r in rows)
 
-    async def _token_ids(self, kind: str, data: dict, size: int) -> list[int] | None:
+    async def _token_ids(self, kind: str, data: dict, size: int,
+                         pods: list[str]) -> list[int] | None:
+        """The prompt's ids: the picker's own tokenizer for the model, else the
+        `/tokenize` of one of its pods (vLLM's endpoint, which our engine serves too);
+        None (routing without prefix, counted as a `tokenize` error) when neither can."""
         core = self.core
         if not core.strategy.uses_prompt:
             return None
         try:
             if size > INLINE_TOKENIZE_BYTES:
-                return await asyncio.to_thread(core.tokenizer.token_ids, kind, data)
-            return core.tokenizer.token_ids(kind, data)
+                ids = await asyncio.to_thread(core.tokenizer.token_ids, kind, data)
+            else:
+                ids = core.tokenizer.token_ids(kind, data)
+            if ids is None:
+                ids = await self._remote_token_ids(kind, data, pods)
         except Exception as err:  # noqa: BLE001 -- the engine judges the prompt itself
-            core.metrics.errors.labels("tokenize").inc()
+            ids = None
             log.debug("tokenization failed (%s); routing without prefix", err)
+        if ids is None:
+            core.metrics.errors.labels("tokenize").inc()
+        return ids
+
+    async def _remote_token_ids(self, kind: str, data: dict,
+                                pods: list[str]) -> list[int] | None:
+        url = self.core.registry.url_of(pods[0])
+        if url is None:
             return None
+        if kind == "chat":
+            body = {k: data[k] for k in ("model", "messages", "add_generation_prompt", "tools",
+                                         "chat_template_kwargs") if data.get(k) is not None}
+        else:
+            prompt = data["prompt"]
+            prompt = prompt[0] if isinstance(prompt, list) else prompt  # a batch: the first
+            if not isinstance(prompt, str):
+                return None
+            body = {"model": data["model"], "prompt": prompt}
+        try:
+            status, raw = await self.core.http.post_json(url + "/tokenize", body,
+                                                         REMOTE_TOKENIZE_TIMEOUT_S)
+        except POD_ERRORS:
+            return None
+        tokens = json.loads(raw).get("tokens") if status == 200 else None
+        return tokens if isinstance(tokens, list) else None
 
     def start(self, d: Decision) -> Attempt:
         return self.core.flight.start(d)
