@@ -151,6 +151,22 @@ def test_client_disconnect_frees_blocks(engine):
     assert engine.metric("vllm:request_success_total", 'finished_reason="abort"') == aborted + 1
 
 
+def test_client_gone_from_a_streamed_n_request_aborts_every_choice_cleanly(engine):
+    body = {"model": MODEL, "prompt": "Tell me three long stories", "max_tokens": 900, "n": 3,
+            "stream": True, "ignore_eos": True}
+    aborted = engine.metric("vllm:request_success_total", 'finished_reason="abort"')
+    with httpx.stream("POST", engine.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        for _ in range(6):
+            assert next(lines) is not None
+    deadline = time.time() + 10
+    while time.time() < deadline and _running_and_usage(engine) != (0.0, 0.0):
+        time.sleep(0.1)
+    assert _running_and_usage(engine) == (0.0, 0.0)
+    assert engine.metric("vllm:request_success_total", 'finished_reason="abort"') == aborted + 3
+    assert "Traceback" not in engine.log_path.read_text()
+
+
 def test_non_streaming_disconnect_aborts(engine):
     body = {"model": MODEL, "prompt": "Count forever", "max_tokens": 900, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
@@ -177,7 +193,8 @@ def test_metrics_names(engine):
                  "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
                  "vllm:request_success_total", "vllm:time_to_first_token_seconds_bucket",
-                 "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_bucket",
                  "vllm:request_queue_time_seconds_bucket"):
         assert name in text, name
     assert f'model_name="{MODEL}"' in text and 'num_gpu_blocks="256"' in text

@@ -271,6 +271,10 @@ async def _merge(streams: list[AsyncIterator]):
     finally:
         for t in tasks:
             t.cancel()
+        # Wait for the pumps to stop: the caller closes the streams next, and closing
+        # one a pump is still iterating raises "aclose(): ... already running" (found
+        # by schemathesis: a client gone from a streamed n > 1 request).
+        await asyncio.wait(tasks)
 
 
 async def _collect(streams, choices) -> None:
