@@ -250,3 +250,27 @@ def test_a_picker_without_a_tokenizer_tokenizes_through_the_pods(engines, redis_
             time.sleep(0.1)
         assert again.headers["x-sluice-pod"] == first.headers["x-sluice-pod"]
         assert gw.metrics.errors.labels("tokenize")._value.get() == 0
+
+
+def test_inflight_ends_when_the_response_really_ends(gateway):
+    """Through a real Envoy: streamed, whole, and a client gone mid-stream."""
+    flight = gateway.gw.flight
+
+    def inflight():
+        return gateway.picker.call(lambda: dict(flight.inflight))
+
+    complete(gateway.url, chat(800))
+    wait_idle = time.time() + 10
+    while inflight():
+        assert time.time() < wait_idle
+        time.sleep(0.02)
+    body = {"model": MODEL, "prompt": "A story", "max_tokens": 500, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        next(lines)
+        assert sum(inflight().values()) == 1  # held while the answer streams
+    deadline = time.time() + 10
+    while inflight():  # the client left: Envoy ends the picker's stream
+        assert time.time() < deadline, inflight()
+        time.sleep(0.02)
