@@ -30,7 +30,7 @@ def srv():
 def replica(srv):
     """A gateway replica's index that reads its own view, with its mirror running."""
     index = PrefixIndex(LocalIndex(), RedisIndex.from_url(srv.url, 0.5), read_local=True)
-    mirror = SpecMirror(index.redis.sync, index.local, index.redis.replica_id)
+    mirror = SpecMirror(index.redis.sync, index.local, index.redis.replica_id, 60_000)
     mirror.start()
     assert mirror.subscribed.wait(5)
     return index, mirror
@@ -90,7 +90,7 @@ def test_a_connection_gone_silent_is_noticed_and_replaced(srv):
     behind a half-open TCP connection): the mirror's own PINGs go unanswered, it
     stops counting itself subscribed and reconnects once Redis answers again."""
     index = PrefixIndex(LocalIndex(), RedisIndex.from_url(srv.url, 0.5), read_local=True)
-    mirror = SpecMirror(index.redis.sync, index.local, "me", retry_s=0.1,
+    mirror = SpecMirror(index.redis.sync, index.local, "me", 60_000, retry_s=0.1,
                         ping_every_s=0.2, silence_limit_s=1.0)
     mirror.start()
     try:
@@ -188,3 +188,20 @@ def test_a_redis_user_without_channel_rights_still_writes_speculative_entries(sr
         loop.close()
     assert index.mode == "redis"
     assert redis.Redis(port=srv.port).zcard(ik.pod_spec_key("a:1")) == 3
+
+
+def test_a_poisoned_message_cannot_pin_a_prefix_past_the_ttl(srv):
+    """Any Redis client may publish on the channel: an entry claiming an hour lasts
+    at most the configured speculative TTL from its arrival."""
+    index = PrefixIndex(LocalIndex(), RedisIndex.from_url(srv.url, 0.5), read_local=True)
+    mirror = SpecMirror(index.redis.sync, index.local, "me", 2_000)
+    mirror.start()
+    try:
+        assert mirror.subscribed.wait(5)
+        sent = time.time() * 1000
+        redis.Redis(port=srv.port).publish(
+            ik.SPEC_CHANNEL, "intruder\na:1\n%f\n%s" % (sent + 3_600_000, KEYS[0]))
+        until(lambda: index.local.lookup(KEYS, PODS, time.time() * 1000) == {"a:1": 1})
+        assert index.local.lookup(KEYS, PODS, sent + 2_000 + 1_000) == {}
+    finally:
+        mirror.stop()

@@ -83,7 +83,8 @@ class RoutingCore:
         uses_events = self.strategy.uses_events
         self.feeder = EventFeeder(self.index) if uses_events else None
         # routing on the own view: the other replicas' decisions are mirrored into it
-        self.mirror = (SpecMirror(self.redis.sync, self.index.local, self.redis.replica_id)
+        self.mirror = (SpecMirror(self.redis.sync, self.index.local, self.redis.replica_id,
+                                  max(cfg.routing.speculative_ttl_ms, 1))
                        if uses_events and self.redis is not None and self.index.read_local
                        else None)
         self.http = PodClient()

@@ -42,13 +42,17 @@ def parse_speculation(message: bytes) -> tuple[str, str, float, list[str]]:
 
 class SpecMirror:
     def __init__(self, client: Any, local: LocalIndex, replica_id: str,
-                 retry_s: float = 0.5, ping_every_s: float = 1.0,
+                 max_ttl_ms: float, retry_s: float = 0.5, ping_every_s: float = 1.0,
                  silence_limit_s: float = 3.0) -> None:
         """`client`: a redis-py client (the subscription takes a connection of its
         pool for itself); `replica_id`: this replica's, whose messages are skipped.
-        A PING goes out every `ping_every_s`; a connection that has said nothing
-        for `silence_limit_s` (no pong: half-open, or Redis hung) is replaced."""
-        assert 0 < ping_every_s < silence_limit_s
+        An entry lasts at most `max_ttl_ms` from its arrival, whatever the message
+        says: only what a replica could have sent is taken (a publisher that is not
+        one cannot pin a prefix to a pod). A PING goes out every `ping_every_s`; a
+        connection that has said nothing for `silence_limit_s` (no pong: half-open,
+        or Redis hung) is replaced."""
+        assert 0 < ping_every_s < silence_limit_s and max_ttl_ms > 0
+        self.max_ttl_ms = max_ttl_ms
         self.client = client
         self.local = local
         self.replica_id = replica_id
@@ -121,5 +125,6 @@ class SpecMirror:
             log.warning("speculation mirror: ignored a malformed message on %s", SPEC_CHANNEL)
             return
         if keys:
+            expiry_ms = min(expiry_ms, time.time() * 1000.0 + self.max_ttl_ms)
             self.local.add_speculative(pod, keys, expiry_ms)
             self.mirrored += len(keys)
