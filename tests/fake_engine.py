@@ -7,6 +7,7 @@ import asyncio
 import json
 import threading
 import time
+from typing import Self
 
 import uvicorn
 from engine_server import EngineProcess, free_port
@@ -24,7 +25,7 @@ class ThreadServer:
                                                     log_level="error", lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def __enter__(self) -> ThreadServer:
+    def __enter__(self) -> Self:
         self.thread.start()
         deadline = time.time() + 20
         while not self.server.started:

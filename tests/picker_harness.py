@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import Self
 
 import grpc
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue, Metadata
@@ -52,7 +53,7 @@ class PickerThread:
             return fn()
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout)
 
-    def __enter__(self) -> PickerThread:
+    def __enter__(self) -> Self:
         self.thread.start()
         self.started.wait(20)
         if self.error is not None:
@@ -72,7 +73,7 @@ class Front:
         self.picker = PickerThread(gw)
         self.engine_urls = engine_urls
 
-    def __enter__(self) -> Front:
+    def __enter__(self) -> Self:
         self.picker.__enter__()
         self.envoy = EnvoyProcess(EnvoyConfig(
             listen_host="127.0.0.1", listen_port=0, admin_port=0, picker_port=self.picker.port,

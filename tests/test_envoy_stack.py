@@ -47,7 +47,7 @@ def stack(tiny_chat_model):
 def metric(url: str, name: str) -> float:
     total = 0.0
     for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
+        if line.startswith((name + "{", name + " ")):
             total += float(line.rsplit(" ", 1)[1])
     return total
 

@@ -181,15 +181,16 @@ def test_engine_killed_mid_stream_ends_stream_with_error(tiny_chat_model):
         with Front(gw, [proc.url]) as front:
             events = []
             t0 = time.time()
-            with pytest.raises(httpx.RemoteProtocolError):  # cut: an error, never a hang
-                with httpx.stream("POST", front.url + "/v1/completions", timeout=30, json={
-                        "model": MODEL, "prompt": "Once upon a time", "max_tokens": 1000,
-                        "ignore_eos": True, "stream": True}) as r:
-                    for line in r.iter_lines():
-                        if line.startswith("data: "):
-                            events.append(line[6:])
-                            if len(events) == 3:
-                                proc.proc.kill()
+            body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1000,
+                    "ignore_eos": True, "stream": True}
+            with pytest.raises(httpx.RemoteProtocolError), \
+                    httpx.stream("POST", front.url + "/v1/completions", timeout=30,
+                                 json=body) as r:  # cut: an error, never a hang
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        if len(events) == 3:
+                            proc.proc.kill()
             assert time.time() - t0 < 20
             assert len(events) >= 3 and "[DONE]" not in events
     finally:

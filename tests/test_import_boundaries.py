@@ -16,8 +16,8 @@ assert not bad, bad
 
 
 @pytest.mark.parametrize("modules", [
-    "sluice.gateway.server.cli, sluice.gateway.server.grpc_server, sluice.gateway.core, "
-    "sluice.gateway.discovery.kubernetes, sluice.gateway.envoy.process, sluice.kv_events",
+    ("sluice.gateway.server.cli, sluice.gateway.server.grpc_server, sluice.gateway.core, "
+     "sluice.gateway.discovery.kubernetes, sluice.gateway.envoy.process, sluice.kv_events"),
     "sluice.operator.cli, sluice.operator.handlers, sluice.index_keys",
     "sluice.tokenizer, sluice.default_model",
 ])

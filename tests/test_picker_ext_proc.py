@@ -69,7 +69,7 @@ def pool():
 
 
 def test_a_request_is_routed_with_fallbacks_in_header_and_metadata(pool):
-    picker, client, pods = pool
+    _, client, pods = pool
     first, routed = client.exchange(post(), body({"model": "m", "prompt": "hi"}))
     # a client-sent destination is stripped before anything else
     assert list(first.request_headers.response.header_mutation.remove_headers) == [DESTINATION]

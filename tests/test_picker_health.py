@@ -54,7 +54,7 @@ def core(ports, **cfg):
 
 
 def route(client, prompt="hi"):
-    first, answer = client.exchange(
+    _, answer = client.exchange(
         pb.ProcessingRequest(request_headers=headers("POST", "/v1/completions")),
         pb.ProcessingRequest(request_body=pb.HttpBody(
             body=json.dumps({"model": "m", "prompt": prompt}).encode(), end_of_stream=True)))

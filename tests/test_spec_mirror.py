@@ -47,7 +47,7 @@ def mirrored_after_reconnecting(srv, mirror, view):
     """Once `mirror` is subscribed again, another replica's decision reaches `view`
     (published until a subscriber takes it)."""
     until(lambda: mirror.subscribed.is_set() and redis.Redis(port=srv.port).publish(
-        ik.SPEC_CHANNEL, "other\na:1\n%f\n%s" % (time.time() * 1000 + 60_000, KEYS[0])))
+        ik.SPEC_CHANNEL, f"other\na:1\n{time.time() * 1000 + 60_000:f}\n{KEYS[0]}"))
     until(lambda: view.lookup(KEYS, PODS, time.time() * 1000) == {"a:1": 1})
 
 
@@ -74,7 +74,7 @@ def test_the_mirror_expires_entries_and_survives_a_redis_restart(srv):
     try:
         pub = redis.Redis(port=srv.port)
         now = time.time() * 1000
-        pub.publish(ik.SPEC_CHANNEL, "other\na:1\n%f\n%s" % (now + 200, "".join(KEYS[:2])))
+        pub.publish(ik.SPEC_CHANNEL, f"other\na:1\n{now + 200:f}\n{''.join(KEYS[:2])}")
         until(lambda: b.local.lookup(KEYS, PODS, time.time() * 1000) == {"a:1": 2})
         until(lambda: b.local.lookup(KEYS, PODS, time.time() * 1000) == {})  # expired
         pub.publish(ik.SPEC_CHANNEL, b"not a speculation")  # ignored, the mirror goes on
@@ -200,7 +200,7 @@ def test_a_poisoned_message_cannot_pin_a_prefix_past_the_ttl(srv):
         assert mirror.subscribed.wait(5)
         sent = time.time() * 1000
         redis.Redis(port=srv.port).publish(
-            ik.SPEC_CHANNEL, "intruder\na:1\n%f\n%s" % (sent + 3_600_000, KEYS[0]))
+            ik.SPEC_CHANNEL, f"intruder\na:1\n{sent + 3_600_000:f}\n{KEYS[0]}")
         until(lambda: index.local.lookup(KEYS, PODS, time.time() * 1000) == {"a:1": 1})
         assert index.local.lookup(KEYS, PODS, sent + 2_000 + 1_000) == {}
     finally:

@@ -93,7 +93,7 @@ async def drive(url: str, prompts: list[str], rate: float, seed: int
                                         headers=headers) as r:
                     await r.read()
                     ok = r.status == 200
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 ok = False
             if ok:
                 lat.append(time.perf_counter() - t)

@@ -11,7 +11,6 @@ their bytes. All coroutines run on one event loop.
 from __future__ import annotations
 
 import asyncio
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,8 +31,6 @@ from sluice.gateway.prompt.tokenize import PromptTokenizer
 from sluice.gateway.routing.config import RoutingConfig
 from sluice.gateway.routing.router import Router
 from sluice.gateway.routing.strategies import make_strategy
-
-log = logging.getLogger("sluice.gateway")
 
 
 @dataclass(frozen=True)

@@ -191,7 +191,7 @@ class PodRegistry:
             await asyncio.sleep(interval_s)
             try:
                 await self.refresh_models()
-            except Exception:  # noqa: BLE001 -- the loop must outlive one bad answer
+            except Exception:
                 log.exception("refreshing the pods' models failed")
 
     async def _served(self, ep: Endpoint) -> tuple[list[str], frozenset[str]] | None:

@@ -104,7 +104,7 @@ class EventFeeder:
         while not self._stop.is_set():
             try:
                 self._round(poller)
-            except Exception:  # noqa: BLE001 -- one bad pod or batch must not stop the feed
+            except Exception:
                 self.errors += 1
                 log.exception("kv-event feeder: error (continuing)")
                 self._stop.wait(0.05)
@@ -115,7 +115,7 @@ class EventFeeder:
                         self.index.recover()
                     else:
                         self.index.check_epoch()
-                except Exception:  # noqa: BLE001
+                except Exception:
                     self.errors += 1
                     log.exception("kv-event feeder: index recovery failed (retrying)")
         for state in self._pods.values():

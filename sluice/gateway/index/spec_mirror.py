@@ -120,7 +120,7 @@ class SpecMirror:
         if data.startswith(self._own):
             return  # this replica's own (already in the view)
         try:
-            replica, pod, expiry_ms, keys = parse_speculation(data)
+            _, pod, expiry_ms, keys = parse_speculation(data)
         except (ValueError, UnicodeDecodeError):
             log.warning("speculation mirror: ignored a malformed message on %s", SPEC_CHANNEL)
             return

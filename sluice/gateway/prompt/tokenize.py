@@ -17,7 +17,7 @@ from sluice.tokenizer import Tokenizer
 
 def is_token_id(t: object) -> bool:
     """An integer that fits the uint32 the request keys hash (bools are not ids)."""
-    return type(t) is int and 0 <= t < 2**32  # noqa: E721
+    return type(t) is int and 0 <= t < 2**32
 
 
 class PromptTokenizer:

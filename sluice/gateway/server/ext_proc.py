@@ -22,7 +22,6 @@ every coroutine runs on the one event loop.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import AsyncIterator
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -32,8 +31,6 @@ from sluice.gateway.load.inflight import Attempt
 from sluice.gateway.routing.router import Decision
 from sluice.gateway.server import messages as msg
 from sluice.gateway.server.picker import ROUTES, EndpointPicker, Pick
-
-log = logging.getLogger("sluice.gateway.ext_proc")
 
 
 class _Exchange:
@@ -59,7 +56,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def __init__(self, picker: EndpointPicker) -> None:
         self.picker = picker
 
-    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],  # noqa: N802
+    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
                       context) -> AsyncIterator[pb.ProcessingResponse]:
         ex = _Exchange()
         try:
