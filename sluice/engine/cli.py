@@ -58,8 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default sampling parameters: 'auto' (the model folder's "
                         "generation_config.json), 'vllm' (none), or a folder")
     p.add_argument("--num-threads", type=int, default=None,
-                   help="CPU threads for torch (default: all cores; use 1 per engine when "
-                        "several engines share a machine: oversubscribed threads stall)")
+                   help="CPU threads for torch (default: the physical cores, at most the CPUs "
+                        "this process may use: affinity and cgroup quota; use 1 per engine "
+                        "when several engines share a machine: oversubscribed threads stall)")
     p.add_argument("--log-level", default="info")
 
 
@@ -118,10 +119,13 @@ def main(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("uvicorn.access").addFilter(_DropProbes())
     config = engine_config(args)
-    if args.num_threads:
-        import torch
+    import torch
 
-        torch.set_num_threads(args.num_threads)
+    from sluice.cpus import usable_cpus
+
+    # torch's own default counts the machine's physical cores, blind to the affinity
+    # mask and a cgroup quota (a pod's CPU limit): bounded by them
+    torch.set_num_threads(args.num_threads or min(torch.get_num_threads(), usable_cpus()))
     defaults = load_sampling_defaults(args.generation_config, config.model)
     if defaults:
         log.info("default sampling parameters from generation_config.json: %s", defaults)

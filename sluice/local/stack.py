@@ -21,6 +21,7 @@ from typing import TextIO
 
 import httpx
 
+from sluice.cpus import usable_cpus
 from sluice.local.procs import Child, wait_until
 
 _handed_out: set[int] = set()
@@ -143,7 +144,7 @@ class LocalStack:
             argv += list(self.cfg.engine_args)
             if "--num-threads" not in self.cfg.engine_args:
                 # engines share this machine: oversubscribed torch threads stall steps
-                argv += ["--num-threads", str(max(1, (os.cpu_count() or 1) // self.cfg.engines))]
+                argv += ["--num-threads", str(max(1, usable_cpus() // self.cfg.engines))]
             self.engines.append(Child(f"engine-{i}", argv, self.out, i + 1, self.cfg.env))
             url = f"http://127.0.0.1:{port}"
             self.engine_urls.append(url)
