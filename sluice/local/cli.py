@@ -1,8 +1,8 @@
 """`sluice up`: run Redis, N engines, the endpoint picker and Envoy on this machine.
 
 Every process's log lines carry its name; Ctrl-C (or SIGTERM) stops them all,
-Envoy and the picker first. If any process exits on its own, the others are stopped too
-and the exit code is non-zero.
+Envoy and the picker first. A process that exits on its own is started again,
+with backoff (`supervisor.py`), while the others keep serving.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from sluice.local.stack import LocalStack, StackConfig
+    from sluice.local.supervisor import Supervisor
 
     cfg = StackConfig(engines=args.engines, model=args.model,
                       served_model_name=args.served_model_name, routing=args.routing,
@@ -51,13 +52,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"sluice up: gateway on {stack.url}/v1 ({args.routing}), "
               f"{args.engines} engine(s), redis {stack.redis_url}; Ctrl-C stops all",
               flush=True)
+        supervisor = Supervisor()
         while True:
-            dead = [c for c in stack.children() if not c.alive()]
-            if dead:
-                print(f"sluice up: {dead[0].name} exited with {dead[0].proc.returncode}; "
-                      "stopping", file=sys.stderr, flush=True)
-                code = 1
-                break
+            supervisor.check(stack.children())
             time.sleep(0.2)
     except KeyboardInterrupt:
         print("sluice up: stopping", file=sys.stderr, flush=True)

@@ -15,23 +15,33 @@ _COLORS = ("36", "33", "35", "32", "34", "31", "96", "93")
 
 class Child:
     """A subprocess; a daemon thread copies its stdout+stderr line by line to `out`
-    as `name | line` (coloured when `out` is a terminal)."""
+    as `name | line` (coloured when `out` is a terminal). `restart()` runs the same
+    command again once it has exited."""
 
     def __init__(self, name: str, argv: list[str], out: TextIO = sys.stdout,
                  color_index: int = 0, env: dict[str, str] | None = None) -> None:
         self.name = name
         self.argv = argv
-        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=full_env,
-                                     start_new_session=True,  # Ctrl-C reaches us only
-                                     preexec_fn=_die_with_parent)
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         tty = hasattr(out, "isatty") and out.isatty()
         color = _COLORS[color_index % len(_COLORS)]
         self.prefix = f"\x1b[{color}m{name:<10}|\x1b[0m " if tty else f"{name:<10}| "
         self._out = out
-        self._pump = threading.Thread(target=self._copy, daemon=True, name=f"log-{name}")
+        self._spawn()
+
+    def _spawn(self) -> None:
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=self.env,
+                                     start_new_session=True,  # Ctrl-C reaches us only
+                                     preexec_fn=_die_with_parent)  # noqa: PLW1509 -- prctl only
+        self._pump = threading.Thread(target=self._copy, daemon=True, name=f"log-{self.name}")
         self._pump.start()
+
+    def restart(self) -> None:
+        assert not self.alive(), "restart() is for a child that exited"
+        self._pump.join(2)
+        self._spawn()
 
     def _copy(self) -> None:
         assert self.proc.stdout is not None
@@ -70,11 +80,18 @@ def wait_until(check, timeout: float, what: str, children: list[Child] = ()) -> 
     raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+# Resolved here, in the parent: the child between fork and exec must not import or
+# load anything (another thread of the parent may have held the lock it would need).
+_PR_SET_PDEATHSIG = 1
+_prctl = None
+if sys.platform.startswith("linux"):
+    import ctypes
+
+    _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+
+
 def _die_with_parent() -> None:
     """In the child, before exec: on Linux, get SIGTERM when `sluice up` dies, even by
     SIGKILL, so no engine outlives the stack."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
