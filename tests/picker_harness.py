@@ -17,6 +17,7 @@ from google.protobuf.struct_pb2 import Struct
 from sluice.gateway.core import RoutingCore
 from sluice.gateway.envoy.bootstrap import EnvoyConfig
 from sluice.gateway.envoy.process import EnvoyProcess
+from sluice.gateway.server.api_keys import ApiKeys
 from sluice.gateway.server.grpc_server import PickerServer
 from sluice.gateway.server.picker import PickerConfig
 
@@ -24,9 +25,11 @@ from sluice.gateway.server.picker import PickerConfig
 class PickerThread:
     """A `PickerServer` on a free loopback port, on its own event loop in a thread."""
 
-    def __init__(self, core: RoutingCore, cfg: PickerConfig = PickerConfig()) -> None:
+    def __init__(self, core: RoutingCore, cfg: PickerConfig = PickerConfig(),
+                 keys: ApiKeys | None = None) -> None:
         self.core = core
         self.cfg = cfg
+        self.keys = keys
         self.loop = asyncio.new_event_loop()
         self.started = threading.Event()
         self.error: BaseException | None = None
@@ -35,7 +38,7 @@ class PickerThread:
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
         try:
-            self.server = PickerServer(self.core, self.cfg, "127.0.0.1", 0)
+            self.server = PickerServer(self.core, self.cfg, "127.0.0.1", 0, keys=self.keys)
             self.port = self.server.port
             self.loop.run_until_complete(self.server.start())
         except BaseException as err:  # noqa: BLE001 -- reported to the test
@@ -68,9 +71,10 @@ class PickerThread:
 class Front:
     """Envoy on a free port, the picker (in a thread) behind it: `url`, `gw` (the core)."""
 
-    def __init__(self, gw: RoutingCore, engine_urls: list[str]) -> None:
+    def __init__(self, gw: RoutingCore, engine_urls: list[str],
+                 keys: ApiKeys | None = None) -> None:
         self.gw = gw
-        self.picker = PickerThread(gw)
+        self.picker = PickerThread(gw, keys=keys)
         self.engine_urls = engine_urls
 
     def __enter__(self) -> Self:

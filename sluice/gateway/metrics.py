@@ -34,6 +34,8 @@ class GatewayMetrics:
             # no_pod, connect, connect_timeout, upstream_timeout, upstream_5xx, upstream_429,
             # mid_stream, internal
             "sluice_gateway_errors", "Errors by kind", ["kind"], registry=r)
+        self.requests = Counter("sluice_gateway_requests", "Requests admitted, by API key name",
+                                ["api_key"], registry=r)
         self.retries = Counter("sluice_gateway_retries", "Retries on another pod", registry=r)
         self.index_mode = Gauge("sluice_gateway_index_mode",
                                 "1 for the index mode in use (redis / local / local_only)",

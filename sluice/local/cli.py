@@ -8,6 +8,7 @@ with backoff (`supervisor.py`), while the others keep serving.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import signal
 import sys
@@ -26,6 +27,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     p.add_argument("--engine-args", default="", help='extra engine flags, e.g. '
                    '"--kv-cache-memory 256MiB --max-num-seqs 64"')
+    p.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY"),
+                   help="clients must send Authorization: Bearer KEY (default: open, as vLLM "
+                        "without --api-key; the stack listens on loopback)")
+    p.add_argument("--api-keys-dir", default=None,
+                   help="a folder of client keys, one file each, read again when it changes")
     p.add_argument("--gateway-args", default="", help="extra flags of the picker (sluice epp)")
     p.add_argument("--log-level", default="info")
 
@@ -38,7 +44,10 @@ def main(args: argparse.Namespace) -> int:
                       served_model_name=args.served_model_name, routing=args.routing,
                       host=args.host, port=args.port, redis_url=args.redis_url,
                       engine_args=tuple(shlex.split(args.engine_args)),
-                      gateway_args=tuple(shlex.split(args.gateway_args)),
+                      gateway_args=(*shlex.split(args.gateway_args),
+                                    *(["--api-keys-dir", args.api_keys_dir]
+                                      if args.api_keys_dir else [])),
+                      api_key=args.api_key,
                       log_level=args.log_level)
     stack = LocalStack(cfg)
 

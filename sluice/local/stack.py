@@ -66,6 +66,8 @@ class StackConfig:
     redis_url: str | None = None       # None: start a redis-server
     engine_args: tuple[str, ...] = ()  # extra `sluice engine` flags
     gateway_args: tuple[str, ...] = ()  # extra `sluice epp` flags
+    # the clients' key: to the picker through its environment, never argv or a repr
+    api_key: str | None = field(default=None, repr=False)
     log_level: str = "info"
     startup_timeout_s: float = 300.0
     env: dict[str, str] = field(default_factory=dict)
@@ -171,7 +173,10 @@ class LocalStack:
         if "dummy" not in self.cfg.engine_args:
             argv += ["--tokenizer", resolve_model(self.cfg.model)]
         argv += list(self.cfg.gateway_args)
-        self.picker = picker = Child("picker", argv, self.out, 0, self.cfg.env)
+        env = dict(self.cfg.env)
+        if self.cfg.api_key:
+            env["SLUICE_API_KEY"] = self.cfg.api_key
+        self.picker = picker = Child("picker", argv, self.out, 0, env)
         wait_until(lambda: picker.alive() and _grpc_ready(grpc_port), 60, "picker", [picker])
         cfg = EnvoyConfig(listen_host=self.cfg.host, listen_port=self.cfg.port,
                           admin_port=admin_port, picker_port=grpc_port,
@@ -184,7 +189,8 @@ class LocalStack:
                                      "--use-dynamic-base-id"], self.out, 7)
         children = [picker, self.envoy]
         wait_until(lambda: all(c.alive() for c in children) and _ok(self.url + "/health")
-                   and _has_models(self.url), 60, "gateway (envoy + picker)", children)
+                   and _has_models(self.url, self.cfg.api_key), 60, "gateway (envoy + picker)",
+                   children)
 
     def flush_redis(self) -> None:
         import redis
@@ -259,8 +265,9 @@ def _grpc_ready(port: int) -> bool:
     return answer.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def _has_models(url: str) -> bool:
+def _has_models(url: str, api_key: str | None = None) -> bool:
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else None
     try:
-        return bool(httpx.get(url + "/v1/models", timeout=1.0).json()["data"])
+        return bool(httpx.get(url + "/v1/models", timeout=1.0, headers=headers).json()["data"])
     except (httpx.HTTPError, ValueError, KeyError):
         return False

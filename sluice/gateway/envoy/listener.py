@@ -199,6 +199,7 @@ def http_connection_manager(cfg: EnvoyConfig) -> dict:
         fmt = ('[%START_TIME%] "%REQ(:METHOD)% %REQ_WITHOUT_QUERY(:PATH)% %PROTOCOL%" '
                "%RESPONSE_CODE% %RESPONSE_FLAGS% %BYTES_RECEIVED% %BYTES_SENT% %DURATION%ms "
                '%UPSTREAM_HOST% attempts=%UPSTREAM_REQUEST_ATTEMPT_COUNT% '
+               "key=%DYNAMIC_METADATA(envoy.lb:x-sluice-api-key-name)% "
                "id=%REQ(X-REQUEST-ID)%\n")
         hcm["access_log"] = [{"name": "envoy.access_loggers.stdout", "typed_config": {
             "@type": T + "access_loggers.stream.v3.StdoutAccessLog",

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import gc
 import logging
+import os
 import signal
 
 from sluice.gateway.options import add_routing_arguments, raise_open_files_limit, routing_parts
@@ -23,6 +24,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="endpoints named after the chosen one, for the data plane's retries")
     p.add_argument("--shed-waiting", type=int, default=d.shed_waiting,
                    help="429 when every eligible engine has this many requests waiting")
+    p.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY"),
+                   help="a client key (Authorization: Bearer KEY), named 'default'; also "
+                        "$SLUICE_API_KEY. With no key at all the gateway is open")
+    p.add_argument("--api-keys-dir", default=None,
+                   help="a folder of keys, one file each (its name is the key's name), "
+                        "e.g. a mounted Secret; read again when it changes")
     add_routing_arguments(p)
 
 
@@ -52,13 +59,14 @@ def default_tokenizer(core) -> None:
 
 async def _serve(args: argparse.Namespace) -> None:
     from sluice.gateway.core import RoutingCore
+    from sluice.gateway.server.api_keys import ApiKeys
     from sluice.gateway.server.grpc_server import PickerServer
 
     core = RoutingCore(*routing_parts(args))
     default_tokenizer(core)
-    server = PickerServer(core,
-                          PickerConfig(args.max_fallbacks, args.shed_waiting),
-                          args.host, args.grpc_port, args.metrics_port)
+    server = PickerServer(core, PickerConfig(args.max_fallbacks, args.shed_waiting),
+                          args.host, args.grpc_port, args.metrics_port,
+                          ApiKeys(args.api_key, args.api_keys_dir))
     await server.start()
     gc.freeze()  # start-up's objects out of the collector's reach (p99: docs/benchmarks.md)
     stop = asyncio.Event()

@@ -3,10 +3,13 @@
 Envoy (configured by `sluice.gateway.envoy.bootstrap`) sends the request's
 headers, then its whole body (BUFFERED), then the response's headers:
 
-- request headers: GET /v1/models, GET /health and unknown paths are answered
-  at once (ImmediateResponse); for the two completion routes the picker only
-  strips any client-sent destination header (a client must never choose the
-  pod) and waits for the body;
+- request headers: GET /health is answered at once; then the client's API key is
+  checked (`api_keys.py`: 401 without a valid one, when keys are configured);
+  GET /v1/models and unknown paths are answered at once (ImmediateResponse); for
+  the two completion routes the picker strips any client-sent destination
+  header (a client must never choose the pod) and the client's key (engines
+  never see it), records the key's name for the access log, and waits for the
+  body;
 - request body: `EndpointPicker.pick` → the endpoints in the destination header
   and `envoy.lb` metadata, route cache cleared; or an OpenAI-shaped 4xx/5xx;
 - response headers: the endpoint that really served (`envoy.lb` metadata key
@@ -30,6 +33,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from sluice.gateway.load.inflight import Attempt
 from sluice.gateway.routing.router import Decision
 from sluice.gateway.server import messages as msg
+from sluice.gateway.server.api_keys import ApiKeys
 from sluice.gateway.server.picker import ROUTES, EndpointPicker, Pick
 
 
@@ -53,8 +57,9 @@ def decision_headers(d: Decision, pod: str) -> dict[str, str]:
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
-    def __init__(self, picker: EndpointPicker) -> None:
+    def __init__(self, picker: EndpointPicker, keys: ApiKeys | None = None) -> None:
         self.picker = picker
+        self.keys = keys or ApiKeys()
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
                       context) -> AsyncIterator[pb.ProcessingResponse]:
@@ -84,19 +89,32 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def _request_headers(self, ex: _Exchange, req: pb.ProcessingRequest) -> pb.ProcessingResponse:
         headers = msg.header_map(req.request_headers)
         method, path = headers.get(":method", ""), headers.get(":path", "").split("?", 1)[0]
+        core = self.picker.core
+        if path == "/health" and method == "GET":  # (probes carry no key)
+            status, body = core.health_body()
+            return msg.immediate(status, json.dumps(body).encode())
+        key_name = None
+        if not self.keys.open:
+            key_name = self.keys.name_of(headers.get("authorization"))
+            if key_name is None:
+                core.metrics.errors.labels("unauthorized").inc()
+                return msg.immediate_error(
+                    401, "Incorrect or missing API key: send Authorization: Bearer <key>",
+                    headers={"www-authenticate": "Bearer"})
+            core.metrics.child(core.metrics.requests, key_name).inc()
         kind = ROUTES.get(path)
         if kind is not None and method == "POST":
             if req.request_headers.end_of_stream:
                 return msg.immediate_error(400, "request body is empty")
             ex.kind = kind
             ex.subset = msg.subset_hint(req)
-            return msg.continue_request_headers(remove=(msg.DESTINATION,))
-        core = self.picker.core
+            # A gateway key stays here (the engines never see it); an open gateway passes
+            # the header on, for engines that check their own key (vLLM's --api-key).
+            strip = (msg.DESTINATION,) if key_name is None else (msg.DESTINATION,
+                                                                 "authorization")
+            return msg.continue_request_headers(remove=strip, key_name=key_name)
         if path == "/v1/models" and method == "GET":
             return msg.immediate(200, json.dumps(core.models_body()).encode())
-        if path == "/health" and method == "GET":
-            status, body = core.health_body()
-            return msg.immediate(status, json.dumps(body).encode())
         if kind is not None or path in ("/v1/models", "/health"):
             return msg.immediate_error(405, f"method {method} not allowed on {path}")
         core.metrics.errors.labels("not_found").inc()

@@ -8,6 +8,7 @@ Prometheus metrics are served on their own HTTP port (`metrics_port`; 0: none).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -16,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from sluice.gateway.core import RoutingCore
+from sluice.gateway.server.api_keys import ApiKeys
 from sluice.gateway.server.ext_proc import ExternalProcessor
 from sluice.gateway.server.picker import EndpointPicker, PickerConfig
 
@@ -30,20 +32,23 @@ class PickerServer:
     """Owns the routing core's lifetime and the gRPC server on the event loop."""
 
     def __init__(self, core: RoutingCore, cfg: PickerConfig = PickerConfig(),
-                 host: str = "0.0.0.0", port: int = 9002, metrics_port: int = 0) -> None:
+                 host: str = "0.0.0.0", port: int = 9002, metrics_port: int = 0,
+                 keys: ApiKeys | None = None) -> None:
         self.core = core
+        self.keys = keys or ApiKeys()
         self.picker = EndpointPicker(core, cfg)
         self.health = HealthServicer()
         self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", 64 << 20),  # Envoy's buffered bodies
             ("grpc.so_reuseport", 0)])
-        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.picker),
-                                                        self.server)
+        pb_grpc.add_ExternalProcessorServicer_to_server(
+            ExternalProcessor(self.picker, self.keys), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port(f"{host}:{port}")
         if not self.port:
             raise OSError(f"the picker cannot listen on {host}:{port}")
         self.metrics_port = metrics_port
+        self._reload: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.health.set("liveness", _SERVING)
@@ -51,15 +56,20 @@ class PickerServer:
             await self.health.set(name, _NOT_SERVING)
         await self.server.start()
         await self.core.start()
+        self._reload = asyncio.get_running_loop().create_task(self.keys.reload_loop())
         if self.metrics_port:
             from prometheus_client import start_http_server
 
             start_http_server(self.metrics_port, registry=self.core.metrics.registry)
         for name in ("readiness", "", EXT_PROC_SERVICE):
             await self.health.set(name, _SERVING)
-        log.info("endpoint picker serving ext_proc on port %d", self.port)
+        log.info("endpoint picker serving ext_proc on port %d; %s", self.port,
+                 "OPEN: no API keys, every client is served (give --api-key or "
+                 "--api-keys-dir)" if self.keys.open else f"{len(self.keys)} API key(s)")
 
     async def stop(self, grace_s: float = 2.0) -> None:
+        if self._reload is not None:
+            self._reload.cancel()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
         await self.core.stop()

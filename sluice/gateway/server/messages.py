@@ -23,6 +23,7 @@ SERVED = "x-gateway-destination-endpoint-served"
 SUBSET = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+KEY_NAME = "x-sluice-api-key-name"  # the client key's name, for the access log
 _OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
 # Asked for with the answer to a completion's headers: its body buffered, then its
 # response headers (Envoy's own replies to requests never routed stay off the picker).
@@ -40,11 +41,18 @@ def _set(headers: dict[str, str]) -> list[HeaderValueOption]:
                               append_action=_OVERWRITE) for k, v in headers.items()]
 
 
-def continue_request_headers(remove: tuple[str, ...] = ()) -> pb.ProcessingResponse:
-    """Go on to the body, with `remove` stripped and the picker's processing mode."""
+def continue_request_headers(remove: tuple[str, ...] = (),
+                             key_name: str | None = None) -> pb.ProcessingResponse:
+    """Go on to the body, with `remove` stripped and the picker's processing mode; the
+    client's API key name, if any, in `envoy.lb` metadata (Envoy's access log)."""
     mutation = pb.HeaderMutation(remove_headers=list(remove))
+    metadata = None
+    if key_name is not None:
+        metadata = Struct()
+        metadata.update({LB_NAMESPACE: {KEY_NAME: key_name}})
     return pb.ProcessingResponse(request_headers=pb.HeadersResponse(
-        response=pb.CommonResponse(header_mutation=mutation)), mode_override=_MODE)
+        response=pb.CommonResponse(header_mutation=mutation)), mode_override=_MODE,
+        dynamic_metadata=metadata)
 
 
 def route_to(endpoints: tuple[str, ...], after_body: bool) -> pb.ProcessingResponse:
@@ -77,9 +85,12 @@ def immediate(status: int, body: bytes, headers: dict[str, str] | None = None,
 
 
 def immediate_error(status: int, message: str, param: str | None = None,
-                    retry_after: int | None = None) -> pb.ProcessingResponse:
+                    retry_after: int | None = None,
+                    headers: dict[str, str] | None = None) -> pb.ProcessingResponse:
     """An OpenAI-shaped error answered by Envoy on the picker's word."""
-    headers = {"retry-after": str(retry_after)} if retry_after is not None else {}
+    headers = dict(headers or {})
+    if retry_after is not None:
+        headers["retry-after"] = str(retry_after)
     return immediate(status, error_json(status, message, param), headers,
                      details=f"sluice_picker_{status}")
 
