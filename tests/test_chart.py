@@ -194,3 +194,31 @@ def test_operator_and_picker_are_wired_to_redis_and_namespaces(default, custom):
         hpa = _by(custom, "HorizontalPodAutoscaler", name)["spec"]["scaleTargetRef"]
         assert (hpa["kind"], hpa["name"]) == ("Deployment", name)
     assert _by(custom, "ServiceMonitor", "-picker")["spec"]["endpoints"][0]["port"] == "metrics"
+
+
+def test_client_keys_are_on_by_default_from_a_generated_secret(default):
+    """The picker requires keys unless told otherwise: a generated Secret, kept across
+    upgrades, mounted read-only as the picker's keys folder."""
+    import base64
+
+    secret = next(d for d in default if d["kind"] == "Secret" and d["metadata"]["name"]
+                  .endswith("-api-keys"))
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    key = base64.b64decode(secret["data"]["default"]).decode()
+    assert key.startswith("sk-sluice-") and len(key) >= 40
+    picker = next(d for d in default if d["kind"] == "Deployment" and d["metadata"]["name"]
+                  .endswith("-picker"))
+    pod = picker["spec"]["template"]["spec"]
+    assert "--api-keys-dir=/etc/sluice/api-keys" in pod["containers"][0]["args"]
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "api-keys")
+    assert mount["readOnly"] and mount["mountPath"] == "/etc/sluice/api-keys"
+    volume = next(v for v in pod["volumes"] if v["name"] == "api-keys")
+    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+    own = render("picker.apiKeys.existingSecret=team-keys")
+    assert not any(d["kind"] == "Secret" and d["metadata"]["name"].endswith("-api-keys")
+                   for d in own)
+    opened = render("picker.apiKeys.enabled=false")
+    picker = next(d for d in opened if d["kind"] == "Deployment" and d["metadata"]["name"]
+                  .endswith("-picker"))
+    assert not any("api-keys" in a for a in picker["spec"]["template"]["spec"]["containers"][0]
+                   ["args"])
