@@ -89,8 +89,12 @@ kubectl port-forward -n "$NS" svc/sluice-gateway 18080:80 >/dev/null 2>&1 &
 PF_PID=$!
 # Envoy answers any HTTP (404 off /v1/) once the port-forward is up
 for _ in $(seq 1 30); do curl -sS -o /dev/null http://127.0.0.1:18080/ 2>/dev/null && break; sleep 2; done
+KEY="$(kubectl get secret -n "$NS" sluice-api-keys -o jsonpath='{.data.default}' | base64 -d)"
+code="$(curl -sS -o /dev/null -w '%{http_code}' http://127.0.0.1:18080/v1/models)"
+[[ "$code" == "401" ]] || { echo "no key: expected 401, got $code" >&2; exit 1; }
 response="$(curl -fsS --retry 10 --retry-all-errors --retry-delay 3 \
   http://127.0.0.1:18080/v1/chat/completions -H 'Content-Type: application/json' \
+  -H "Authorization: Bearer $KEY" \
   -d '{"model": "smollm2-135m-instruct", "max_tokens": 16,
        "messages": [{"role": "user", "content": "Say hello."}]}')"
 echo "$response"
