@@ -11,6 +11,7 @@ import signal
 
 from sluice.gateway.options import add_routing_arguments, raise_open_files_limit, routing_parts
 from sluice.gateway.server.picker import PickerConfig
+from sluice.gateway.server.rate_limit import Limits
 
 log = logging.getLogger("sluice.gateway.epp")
 
@@ -27,6 +28,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY"),
                    help="a client key (Authorization: Bearer KEY), named 'default'; also "
                         "$SLUICE_API_KEY. With no key at all the gateway is open")
+    p.add_argument("--rate-limit-rpm", type=int, default=0,
+                   help="requests per minute per API key, shared by every replica through "
+                        "Redis (0: none); beyond it 429 with Retry-After")
+    p.add_argument("--rate-limit-tpm", type=int, default=0,
+                   help="tokens per minute per API key: prompt + max_tokens (0: none)")
     p.add_argument("--api-keys-dir", default=None,
                    help="a folder of keys, one file each (its name is the key's name), "
                         "e.g. a mounted Secret; read again when it changes")
@@ -64,7 +70,8 @@ async def _serve(args: argparse.Namespace) -> None:
 
     core = RoutingCore(*routing_parts(args))
     default_tokenizer(core)
-    server = PickerServer(core, PickerConfig(args.max_fallbacks, args.shed_waiting),
+    limits = Limits(args.rate_limit_rpm, args.rate_limit_tpm)
+    server = PickerServer(core, PickerConfig(args.max_fallbacks, args.shed_waiting, limits),
                           args.host, args.grpc_port, args.metrics_port,
                           ApiKeys(args.api_key, args.api_keys_dir))
     await server.start()

@@ -40,10 +40,11 @@ from sluice.gateway.server.picker import ROUTES, EndpointPicker, Pick
 class _Exchange:
     """What one HTTP request's stream has learnt so far."""
 
-    __slots__ = ("attempt", "decision", "kind", "subset")
+    __slots__ = ("attempt", "decision", "key_name", "kind", "subset")
 
     def __init__(self) -> None:
         self.kind: str | None = None
+        self.key_name: str | None = None  # the client's API key, by name
         self.subset: frozenset[str] | None = None  # the data plane's subset hint
         self.decision: Decision | None = None
         self.attempt: Attempt | None = None
@@ -106,7 +107,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         if kind is not None and method == "POST":
             if req.request_headers.end_of_stream:
                 return msg.immediate_error(400, "request body is empty")
-            ex.kind = kind
+            ex.kind, ex.key_name = kind, key_name
             ex.subset = msg.subset_hint(req)
             # A gateway key stays here (the engines never see it); an open gateway passes
             # the header on, for engines that check their own key (vLLM's --api-key).
@@ -126,7 +127,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             return pb.ProcessingResponse(request_body=pb.BodyResponse())
         subset = msg.subset_hint(req)  # (on every message, or on the headers' only)
         result = await self.picker.pick(ex.kind, req.request_body.body,
-                                        ex.subset if subset is None else subset)
+                                        ex.subset if subset is None else subset, ex.key_name)
         if not isinstance(result, Pick):
             return msg.immediate_error(result.status, result.message, result.param,
                                        result.retry_after)

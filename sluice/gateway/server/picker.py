@@ -7,7 +7,8 @@
 3. the subset hint, when the data plane gives one, narrows the pool: an empty
    or ineligible subset is a 503;
 4. shedding: when every eligible pod's waiting queue is at `shed_waiting`, 429
-   with Retry-After (the engines would queue it or refuse it themselves);
+   with Retry-After (the engines would queue it or refuse it themselves); and
+   the API key's per-minute limits (`rate_limit.py`), counted after tokenizing;
 5. the prompt is tokenized (strategies that read it only; large prompts off
    the event loop; by a pod's `/tokenize` when the picker has no tokenizer for
    the model) and the router chooses: the pod, then up to `max_fallbacks`
@@ -24,12 +25,13 @@ import dataclasses
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sluice.gateway.core import RoutingCore
 from sluice.gateway.discovery.pod_client import POD_ERRORS
 from sluice.gateway.load.inflight import Attempt
 from sluice.gateway.routing.router import Decision
+from sluice.gateway.server.rate_limit import Limits, RateLimiter
 from sluice.gateway.server.requests import BadRequest, parse_request
 
 log = logging.getLogger("sluice.gateway.picker")
@@ -43,6 +45,7 @@ REMOTE_TOKENIZE_TIMEOUT_S = 1.0
 class PickerConfig:
     max_fallbacks: int = 2  # endpoints after the primary (Envoy's retries use them)
     shed_waiting: int = 1024  # every pod this deep in waiting requests: 429
+    limits: Limits = field(default_factory=Limits)  # per API key, per minute (rate_limit.py)
 
     def __post_init__(self) -> None:
         assert self.max_fallbacks >= 0 and self.shed_waiting >= 1
@@ -69,9 +72,10 @@ class EndpointPicker:
     def __init__(self, core: RoutingCore, cfg: PickerConfig = PickerConfig()) -> None:
         self.core = core
         self.cfg = cfg
+        self.limiter = RateLimiter(cfg.limits, core.redis.aio if core.redis else None)
 
-    async def pick(self, kind: str, body: bytes,
-                   subset: frozenset[str] | None = None) -> Pick | Rejection:
+    async def pick(self, kind: str, body: bytes, subset: frozenset[str] | None = None,
+                   key_name: str | None = None) -> Pick | Rejection:
         core = self.core
         try:
             data = parse_request(kind, body)
@@ -98,6 +102,14 @@ class EndpointPicker:
                                   "or more requests waiting", retry_after=1)
         started = time.perf_counter()
         token_ids = await self._token_ids(kind, data, len(body), pods)
+        if key_name is not None and self.cfg.limits.any:
+            cost = (len(token_ids) if token_ids is not None else len(body) // 4) \
+                + _requested_tokens(data)
+            wait_s = await self.limiter.admit(key_name, cost)
+            if wait_s is not None:
+                core.metrics.errors.labels("rate_limited").inc()
+                return Rejection(429, f"rate limit of API key {key_name!r} reached for this "
+                                      "minute", retry_after=wait_s)
         salt = data.get("cache_salt")
         d = await core.router.route(model, token_ids or [], pods, frozenset(),
                                     salt if isinstance(salt, str) else None)
@@ -176,3 +188,9 @@ class EndpointPicker:
         moved = dataclasses.replace(attempt.d, pod=pod, hit_blocks=0, spec_keys=(),
                                     fallbacks=())
         return self.start(moved)
+
+
+def _requested_tokens(data: dict) -> int:
+    """The completion tokens a request may cost (`max_tokens`, else its chat name)."""
+    n = data.get("max_completion_tokens") or data.get("max_tokens")
+    return n if type(n) is int and n > 0 else 0  # (the engine judges a bad value)
