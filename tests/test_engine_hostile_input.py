@@ -293,6 +293,9 @@ def test_unknown_model_is_404(engine):
     expect_error(r, 404, "model")
 
 
+FUZZ_KEY = "sk-fuzz"
+
+
 @pytest.mark.slow
 def test_schema_fuzzing_never_gets_a_5xx(tiny_chat_model):
     """Schemathesis: valid and invalid bodies generated from the engine's OpenAPI schema.
@@ -304,7 +307,8 @@ def test_schema_fuzzing_never_gets_a_5xx(tiny_chat_model):
     examples = int(os.environ.get("SLUICE_FUZZ_EXAMPLES", "100"))
     engine = EngineProcess("--model", str(tiny_chat_model), "--served-model-name", MODEL,
                            "--num-kv-blocks", "64", "--max-model-len", "96",
-                           "--max-request-body-bytes", str(BODY_LIMIT)).wait_ready()
+                           "--max-request-body-bytes", str(BODY_LIMIT),
+                           "--api-key", FUZZ_KEY).wait_ready()
     try:
         _fuzz(engine, examples)
     finally:
@@ -317,7 +321,8 @@ def _fuzz(engine: EngineProcess, examples: int) -> None:
     import schemathesis
     from hypothesis import HealthCheck, Phase, given, settings
 
-    schema = schemathesis.openapi.from_url(engine.url + "/openapi.json")
+    auth = {"Authorization": f"Bearer {FUZZ_KEY}"}  # (the schema is served to key holders)
+    schema = schemathesis.openapi.from_url(engine.url + "/openapi.json", headers=auth)
     statuses: collections.Counter = collections.Counter()
     for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
         for result in schema.get_all_operations():
@@ -329,7 +334,7 @@ def _fuzz(engine: EngineProcess, examples: int) -> None:
             @settings(max_examples=examples, deadline=None, database=None,
                       phases=[Phase.generate], suppress_health_check=list(HealthCheck))
             def call(case) -> None:
-                r = case.call(base_url=engine.url, timeout=120)
+                r = case.call(base_url=engine.url, timeout=120, headers=auth)
                 statuses[r.status_code] += 1
                 assert r.status_code < 500, (case.operation.label, case.body, r.text[:500])
                 if r.status_code >= 400:

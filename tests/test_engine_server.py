@@ -177,12 +177,37 @@ def test_non_streaming_disconnect_aborts(engine):
     assert _running_and_usage(engine) == (0.0, 0.0)
 
 
-def test_reset_prefix_cache_endpoint(engine, client):
-    client.completions.create(model=MODEL, prompt="A shared prefix " * 8, max_tokens=1)
-    assert httpx.post(engine.url + "/reset_prefix_cache").status_code == 200
-    before = engine.metric("vllm:prefix_cache_hits_total")
-    client.completions.create(model=MODEL, prompt="A shared prefix " * 8, max_tokens=1)
-    assert engine.metric("vllm:prefix_cache_hits_total") == before, "nothing cached any more"
+def test_with_a_key_only_probes_and_scrapes_are_open_and_admin_needs_it(tiny_chat_model):
+    keyed = EngineProcess("--model", str(tiny_chat_model), "--served-model-name", MODEL,
+                          "--num-kv-blocks", "64", "--max-model-len", "512",
+                          "--api-key", "sk-engine").wait_ready()
+    try:
+        url, auth = keyed.url, {"authorization": "Bearer sk-engine"}
+        assert httpx.get(url + "/health").status_code == 200
+        assert httpx.get(url + "/metrics").status_code == 200
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"),
+                             ("POST", "/reset_prefix_cache"), ("GET", "/openapi.json"),
+                             ("GET", "/docs"), ("POST", "/tokenize")):
+            for headers in (None, {"authorization": "Bearer sk-wrong"}):
+                r = httpx.request(method, url + path, headers=headers, json={})
+                assert r.status_code == 401, (path, r.text)
+                assert r.json()["error"]["code"] == 401
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sk-engine", max_retries=0)
+        client.completions.create(model=MODEL, prompt="A shared prefix " * 8, max_tokens=1)
+        assert httpx.post(url + "/reset_prefix_cache", headers=auth).status_code == 200
+        before = keyed.metric("vllm:prefix_cache_hits_total")
+        client.completions.create(model=MODEL, prompt="A shared prefix " * 8, max_tokens=1)
+        assert keyed.metric("vllm:prefix_cache_hits_total") == before, "nothing cached now"
+        assert httpx.get(url + "/openapi.json", headers=auth).status_code == 200
+    finally:
+        keyed.stop()
+
+
+def test_without_a_key_the_admin_endpoints_and_docs_are_not_served(engine):
+    for method, path in (("POST", "/reset_prefix_cache"), ("GET", "/openapi.json"),
+                         ("GET", "/docs"), ("GET", "/redoc")):
+        r = httpx.request(method, engine.url + path)
+        assert r.status_code == 404 and r.json()["error"]["code"] == 404, path
 
 
 def test_metrics_names(engine):

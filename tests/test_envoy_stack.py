@@ -215,3 +215,14 @@ def test_a_killed_engine_is_retried_before_the_first_byte_and_then_avoided(tiny_
         assert r.status_code == 503 and r.json()["error"]["code"] == 503
     finally:
         s.stop()
+
+
+def test_engines_answer_only_the_gateway(stack):
+    """`sluice up` gives its engines a key of their own that only the picker holds:
+    a direct call is refused, the same call through the gateway is served."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    for url in stack.engine_urls:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == 401
+        assert httpx.get(url + "/metrics", timeout=30).status_code == 200  # scrapes stay open
+    assert httpx.post(stack.url + "/v1/completions", json=body, timeout=60).status_code == 200

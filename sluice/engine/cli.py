@@ -61,6 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU threads for torch (default: the physical cores, at most the CPUs "
                         "this process may use: affinity and cgroup quota; use 1 per engine "
                         "when several engines share a machine: oversubscribed threads stall)")
+    p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
+                   help="clients send Authorization: Bearer KEY (also $VLLM_API_KEY, as vLLM); "
+                        "without it the OpenAI API is open and the admin endpoints and API "
+                        "docs are not served")
     p.add_argument("--log-level", default="info")
 
 
@@ -145,8 +149,10 @@ def main(args: argparse.Namespace) -> int:
     engine = AsyncEngine(llm, on_step=on_step)
     app = build_app(engine, tokenizer, config.served_model_name, defaults,
                     max_request_body_bytes=args.max_request_body_bytes,
-                    max_prompts_per_request=args.max_prompts_per_request)
-    log.info("serving %s on http://%s:%d", config.served_model_name, args.host, args.port)
+                    max_prompts_per_request=args.max_prompts_per_request,
+                    api_key=args.api_key)
+    log.info("serving %s on http://%s:%d (%s)", config.served_model_name, args.host, args.port,
+             "API key required" if args.api_key else "no API key: open; admin endpoints off")
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                     timeout_graceful_shutdown=5)

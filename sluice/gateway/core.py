@@ -48,6 +48,7 @@ class CoreConfig:
     index_reads: str = "local"  # "redis": one Redis round trip per lookup (see PrefixIndex)
     forget_pod_after_s: float = 30.0  # a removed pod's index entries are kept this long
     models_refresh_s: float = 10.0  # every pod's /v1/models read again (LoRA adapters)
+    engine_api_key: str | None = field(default=None, repr=False)  # the engines' own key
 
     def __post_init__(self) -> None:
         assert self.scrape_interval_s > 0 and self.load_ttl_ms > 0
@@ -84,7 +85,7 @@ class RoutingCore:
                                   max(cfg.routing.speculative_ttl_ms, 1))
                        if uses_events and self.redis is not None and self.index.read_local
                        else None)
-        self.http = PodClient()
+        self.http = PodClient(engine_api_key=cfg.engine_api_key)
         self.registry = PodRegistry(self.feeder, self.redis, self.loads, self.health,
                                     self.http, cfg.probe_interval_s, cfg.forget_pod_after_s)
         self.flight = InFlight(lambda d: self.router.renew_speculation(d),

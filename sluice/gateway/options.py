@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import resource
 
 from sluice.gateway.routing.config import STRATEGIES, RoutingConfig
@@ -58,6 +59,9 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-ttl-ms", type=int, default=1000)
     p.add_argument("--forget-pod-after", type=float, default=30.0,
                    help="seconds a removed (e.g. not Ready) pod's index entries are kept")
+    p.add_argument("--engine-api-key", default=os.environ.get("SLUICE_ENGINE_API_KEY"),
+                   help="the engines' own key (their --api-key / $VLLM_API_KEY), sent to them "
+                        "with every request; also $SLUICE_ENGINE_API_KEY")
     p.add_argument("--log-level", default="info")
 
 
@@ -78,7 +82,8 @@ def routing_parts(args: argparse.Namespace):
                      max_failures=args.max_failures, probe_interval_s=args.probe_interval,
                      max_ejection_fraction=args.max_ejection_fraction,
                      speculative_flush_ms=args.speculative_flush_ms,
-                     index_reads=args.index_reads, forget_pod_after_s=args.forget_pod_after)
+                     index_reads=args.index_reads, forget_pod_after_s=args.forget_pod_after,
+                     engine_api_key=args.engine_api_key)
     if args.discovery == "kubernetes":
         from sluice.gateway.discovery.kubernetes import KubernetesDiscovery
         discovery = KubernetesDiscovery(args.namespace, args.pool)

@@ -12,6 +12,7 @@ its known hosts (so the picker's fallbacks are retried in order). Used by
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import socket
 import sys
@@ -81,6 +82,9 @@ class LocalStack:
         self.cfg = cfg
         self.out = out
         self.dir = tempfile.mkdtemp(prefix="sluice-up-")
+        # The engines' own key, new for each stack: only the picker (and so Envoy's
+        # routed requests) can use them, not another local user who finds their port.
+        self.engine_key = "sk-engine-" + secrets.token_urlsafe(24)
         self.redis: Child | None = None
         self.redis_url = cfg.redis_url
         self.engines: list[Child] = []
@@ -147,7 +151,8 @@ class LocalStack:
             if "--num-threads" not in self.cfg.engine_args:
                 # engines share this machine: oversubscribed torch threads stall steps
                 argv += ["--num-threads", str(max(1, usable_cpus() // self.cfg.engines))]
-            self.engines.append(Child(f"engine-{i}", argv, self.out, i + 1, self.cfg.env))
+            env = {**self.cfg.env, "VLLM_API_KEY": self.engine_key}
+            self.engines.append(Child(f"engine-{i}", argv, self.out, i + 1, env))
             url = f"http://127.0.0.1:{port}"
             self.engine_urls.append(url)
             self.engine_specs.append(f"{url},events={events},replay={replay}")
@@ -173,7 +178,7 @@ class LocalStack:
         if "dummy" not in self.cfg.engine_args:
             argv += ["--tokenizer", resolve_model(self.cfg.model)]
         argv += list(self.cfg.gateway_args)
-        env = dict(self.cfg.env)
+        env = {**self.cfg.env, "SLUICE_ENGINE_API_KEY": self.engine_key}
         if self.cfg.api_key:
             env["SLUICE_API_KEY"] = self.cfg.api_key
         self.picker = picker = Child("picker", argv, self.out, 0, env)

@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sluice.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
 from sluice.engine.server import formatting as fmt
+from sluice.engine.server.auth import ApiKeyMiddleware
 from sluice.engine.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
 from sluice.engine.server.errors import RequestError, error_response, install_error_handlers
 from sluice.engine.server.json_body import StrictJSONRoute
@@ -48,12 +49,14 @@ from sluice.openai_error import error_body
 def build_app(engine: AsyncEngine, tokenizer, model_name: str,
               sampling_defaults: dict | None = None, *,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST) -> FastAPI:
+              max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+              api_key: str | None = None) -> FastAPI:
     """`sampling_defaults`: per-model defaults for fields a request leaves out."""
     app = FastAPI(title="Sluice engine")
     app.router.route_class = StrictJSONRoute  # before any route: each one parses strictly
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
+    app.add_middleware(ApiKeyMiddleware, api_key=api_key)  # (outermost: checked first)
     llm = engine.engine
     max_model_len = llm.max_model_len
     limits = Limits(max_model_len, llm.model.config.vocab_size, max_prompts_per_request)

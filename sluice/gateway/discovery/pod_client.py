@@ -21,15 +21,19 @@ MAX_BODY = 8 << 20  # a /metrics page of a pod with many LoRA adapters is < 1 Mi
 class PodClient:
     """Owned by the event loop it was first used on."""
 
-    def __init__(self, per_host: int = 8) -> None:
+    def __init__(self, per_host: int = 8, engine_api_key: str | None = None) -> None:
+        """`engine_api_key`: the engines' own key (`sluice engine --api-key`, vLLM's),
+        sent with every request to them; Envoy's routed requests carry it too."""
         self.per_host = per_host
+        self.authorization = f"Bearer {engine_api_key}" if engine_api_key else None
         self._session: aiohttp.ClientSession | None = None
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
+            headers = {"authorization": self.authorization} if self.authorization else None
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, limit_per_host=self.per_host),
-                auto_decompress=False, raise_for_status=False)
+                auto_decompress=False, raise_for_status=False, headers=headers)
         return self._session
 
     async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:

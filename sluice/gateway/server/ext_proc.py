@@ -133,7 +133,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                                        result.retry_after)
         ex.decision = result.decision
         ex.attempt = self.picker.start(result.decision)
-        return msg.route_to(result.endpoints, after_body=True)
+        return msg.route_to(result.endpoints, after_body=True,
+                            engine_auth=self.picker.core.http.authorization)
 
     def _response_headers(self, ex: _Exchange, req: pb.ProcessingRequest
                           ) -> pb.ProcessingResponse:

@@ -55,12 +55,17 @@ def continue_request_headers(remove: tuple[str, ...] = (),
         dynamic_metadata=metadata)
 
 
-def route_to(endpoints: tuple[str, ...], after_body: bool) -> pb.ProcessingResponse:
-    """Send the request to `endpoints[0]`, then the others in order on retries."""
+def route_to(endpoints: tuple[str, ...], after_body: bool,
+             engine_auth: str | None = None) -> pb.ProcessingResponse:
+    """Send the request to `endpoints[0]`, then the others in order on retries;
+    `engine_auth`: the engines' own Authorization header value."""
     assert endpoints and all(":" in e for e in endpoints), endpoints
     value = ",".join(endpoints)
-    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=_set(
-        {DESTINATION: value})), clear_route_cache=True)
+    headers = {DESTINATION: value}
+    if engine_auth is not None:
+        headers["authorization"] = engine_auth
+    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=_set(headers)),
+                               clear_route_cache=True)
     metadata = Struct()
     metadata.update({LB_NAMESPACE: {DESTINATION: value}})
     if after_body:
