@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ZMQ PUB endpoint for KV-cache events, e.g. tcp://*:5557")
     p.add_argument("--kv-events-replay-endpoint", default=None,
                    help="ZMQ ROUTER endpoint for event replay, e.g. tcp://*:5558")
+    p.add_argument("--kv-events-curve-dir", default=None,
+                   help="ZMQ CURVE keys for the KV-event sockets (python -m sluice.zmq_curve "
+                        "init DIR): encrypted, and only the pickers' key may read them")
     p.add_argument("--kv-events-topic", default=None,
                    help="topic (default kv@<host>:<port>@<served-model-name>)")
     p.add_argument("--generation-config", default="auto",
@@ -142,8 +145,11 @@ def main(args: argparse.Namespace) -> int:
         topic = args.kv_events_topic or (
             f"kv@{args.host if args.host not in ('0.0.0.0', '::') else socket.gethostname()}"
             f":{args.port}@{config.served_model_name}")
+        from sluice.zmq_curve import ZmqSecurity
+
+        security = ZmqSecurity(args.kv_events_curve_dir) if args.kv_events_curve_dir else None
         publisher = KVEventPublisher(args.kv_events_endpoint, args.kv_events_replay_endpoint,
-                                     topic)
+                                     topic, security=security)
     llm = LLMEngine(config, tokenizer, record_kv_events=publisher is not None)
     on_step = (lambda: publisher.publish(llm.kv.take_events())) if publisher else None
     engine = AsyncEngine(llm, on_step=on_step)

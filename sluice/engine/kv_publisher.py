@@ -29,6 +29,7 @@ from sluice.kv_events import (
     KVEventBatch,
     encode_batch,
 )
+from sluice.zmq_curve import ZmqSecurity
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +46,23 @@ class KVEventPublisher:
 
     def __init__(self, endpoint: str, replay_endpoint: str | None, topic: str,
                  buffer_steps: int = 10_000, hwm: int = 100_000,
-                 max_queue_size: int = 100_000, data_parallel_rank: int = 0) -> None:
+                 max_queue_size: int = 100_000, data_parallel_rank: int = 0,
+                 security: ZmqSecurity | None = None) -> None:
+        """`security`: CURVE on both sockets, only the pickers' key admitted (else
+        plain sockets, as vLLM's: keep them private by network policy)."""
         assert buffer_steps > 0 and max_queue_size > 0
         self._ctx = zmq.Context.instance()
+        self._auth = security.authenticator(self._ctx) if security else None
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
+        if security:
+            security.as_server(self._pub)
         (self._pub.bind if _binds(endpoint) else self._pub.connect)(endpoint)
         self._replay: zmq.Socket | None = None
         if replay_endpoint is not None:
             self._replay = self._ctx.socket(zmq.ROUTER)
+            if security:
+                security.as_server(self._replay)
             self._replay.bind(replay_endpoint)
         self._topic = topic.encode("utf-8")
         self._rank = data_parallel_rank
@@ -94,6 +103,8 @@ class KVEventPublisher:
         self._pub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
 
     def _run(self) -> None:
         while True:

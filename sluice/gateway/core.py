@@ -31,6 +31,7 @@ from sluice.gateway.prompt.tokenize import PromptTokenizer
 from sluice.gateway.routing.config import RoutingConfig
 from sluice.gateway.routing.router import Router
 from sluice.gateway.routing.strategies import make_strategy
+from sluice.zmq_curve import ZmqSecurity
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class CoreConfig:
     forget_pod_after_s: float = 30.0  # a removed pod's index entries are kept this long
     models_refresh_s: float = 10.0  # every pod's /v1/models read again (LoRA adapters)
     engine_api_key: str | None = field(default=None, repr=False)  # the engines' own key
+    kv_events_curve_dir: str | None = None  # CURVE keys of the engines' event sockets
 
     def __post_init__(self) -> None:
         assert self.scrape_interval_s > 0 and self.load_ttl_ms > 0
@@ -79,7 +81,8 @@ class RoutingCore:
         self.metrics.set_mode(self.index.mode)
         self.strategy = make_strategy(cfg.routing, self.index, LocalIndex(cfg.local_index))
         uses_events = self.strategy.uses_events
-        self.feeder = EventFeeder(self.index) if uses_events else None
+        security = ZmqSecurity(cfg.kv_events_curve_dir) if cfg.kv_events_curve_dir else None
+        self.feeder = EventFeeder(self.index, security=security) if uses_events else None
         # routing on the own view: the other replicas' decisions are mirrored into it
         self.mirror = (SpecMirror(self.redis.sync, self.index.local, self.redis.replica_id,
                                   max(cfg.routing.speculative_ttl_ms, 1))

@@ -59,6 +59,9 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-ttl-ms", type=int, default=1000)
     p.add_argument("--forget-pod-after", type=float, default=30.0,
                    help="seconds a removed (e.g. not Ready) pod's index entries are kept")
+    p.add_argument("--kv-events-curve-dir", default=None,
+                   help="ZMQ CURVE keys (python -m sluice.zmq_curve init DIR) for the engines' "
+                        "KV-event sockets; without it they are plain (vLLM's)")
     p.add_argument("--engine-api-key", default=os.environ.get("SLUICE_ENGINE_API_KEY"),
                    help="the engines' own key (their --api-key / $VLLM_API_KEY), sent to them "
                         "with every request; also $SLUICE_ENGINE_API_KEY")
@@ -83,7 +86,8 @@ def routing_parts(args: argparse.Namespace):
                      max_ejection_fraction=args.max_ejection_fraction,
                      speculative_flush_ms=args.speculative_flush_ms,
                      index_reads=args.index_reads, forget_pod_after_s=args.forget_pod_after,
-                     engine_api_key=args.engine_api_key)
+                     engine_api_key=args.engine_api_key,
+                     kv_events_curve_dir=args.kv_events_curve_dir)
     if args.discovery == "kubernetes":
         from sluice.gateway.discovery.kubernetes import KubernetesDiscovery
         discovery = KubernetesDiscovery(args.namespace, args.pool)

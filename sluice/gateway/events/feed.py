@@ -52,14 +52,18 @@ from sluice.gateway.events.sockets import (
 from sluice.gateway.events.translate import Translated, translate
 from sluice.gateway.index.prefix_index import PrefixIndex
 from sluice.kv_events import decode_batch
+from sluice.zmq_curve import ZmqSecurity
 
 log = logging.getLogger("sluice.gateway.events")
 
 
 class EventFeeder:
     def __init__(self, index: PrefixIndex, replay_timeout_s: float = 2.0,
-                 max_replay_batches: int = 100_000, recover_every_s: float = 0.5) -> None:
+                 max_replay_batches: int = 100_000, recover_every_s: float = 0.5,
+                 security: ZmqSecurity | None = None) -> None:
+        """`security`: CURVE to every pod's event sockets (their engines' key)."""
         self.index = index
+        self.security = security
         self.replay_timeout_s = replay_timeout_s
         self.max_replay_batches = max_replay_batches
         self.recover_every_s = recover_every_s
@@ -189,7 +193,7 @@ class EventFeeder:
                  ) -> zmq.Socket | None:
         """`event_sockets.connect`; None (logged and counted) for a bad endpoint."""
         try:
-            return connect(self._ctx, kind, endpoint)
+            return connect(self._ctx, kind, endpoint, self.security)
         except zmq.ZMQError as err:
             self.errors += 1
             log.error("%s: bad KV-event endpoint %r (%s): %s", pod, endpoint, err, consequence)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from sluice.zmq_curve import ZmqSecurity
+
 
 def socket_context() -> zmq.Context:
     """A ZMQ context of the feeder's own: a pod takes 4 sockets (SUB, DEALER, the
@@ -27,11 +29,14 @@ def socket_context() -> zmq.Context:
     return ctx
 
 
-def connect(ctx: zmq.Context, kind: int, endpoint: str) -> zmq.Socket:
-    """A SUB (all topics) or DEALER socket connected to `endpoint`; ZMQError when
-    the endpoint is not a valid ZMQ address."""
+def connect(ctx: zmq.Context, kind: int, endpoint: str,
+            security: ZmqSecurity | None = None) -> zmq.Socket:
+    """A SUB (all topics) or DEALER socket connected to `endpoint` (a CURVE client
+    with `security`); ZMQError when the endpoint is not a valid ZMQ address."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    if security is not None:
+        security.as_client(sock)
     if kind == zmq.SUB:
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.setsockopt(zmq.RCVHWM, 100_000)
