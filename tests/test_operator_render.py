@@ -175,3 +175,33 @@ def test_rendered_sluice_args_parse_with_the_engine_cli(name):
     parsed = build_parser(args).parse_args(args)
     assert parsed.served_model_name == body["spec"]["model"]["name"]
     assert parsed.port == 8000 and parsed.kv_events_endpoint == "tcp://*:5557"
+
+
+@pytest.mark.parametrize("example", ["pool-cpu.yaml", "pool-vllm-gpu.yaml",
+                                     "pool-disaggregated.yaml"])
+def test_every_engine_pod_is_restricted_with_a_read_only_root(example):
+    """Pod Security's restricted profile on every container, vLLM's included; no API
+    token mounted; the root filesystem read-only, caches on emptyDir / the cache volume."""
+    for dep in _by_kind(render_pool(PoolSpec.from_body(_example(example))))["Deployment"]:
+        pod = dep["spec"]["template"]["spec"]
+        assert pod["automountServiceAccountToken"] is False
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for c in pod["containers"] + pod.get("initContainers", []):
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["runAsNonRoot"] is True
+            assert sc["capabilities"] == {"drop": ["ALL"]} and sc["readOnlyRootFilesystem"]
+            mounted = {m["mountPath"] for m in c["volumeMounts"]}
+            assert "/tmp" in mounted and "/model-cache" in mounted
+            env = {e["name"]: e for e in c["env"]}
+            assert env["HOME"]["value"].startswith("/tmp")
+
+
+def test_a_literal_hf_token_is_refused():
+    body = _example("pool-cpu.yaml")
+    body["spec"].setdefault("engine", {})["env"] = [{"name": "HF_TOKEN", "value": "hf_x"}]
+    with pytest.raises(SpecError, match="Secret"):
+        PoolSpec.from_body(body)
+    body["spec"]["engine"]["env"] = [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+        "name": "hf", "key": "token"}}}]
+    PoolSpec.from_body(body)

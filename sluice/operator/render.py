@@ -30,6 +30,9 @@ class RenderConfig:
     startup_timeout_s: int = 1800  # model download + load before liveness applies
 
 
+TMP_DIR = "/tmp"
+
+
 def child_name(pool: str, role: str) -> str:
     return f"{pool}-{role}"
 
@@ -80,6 +83,9 @@ def _env(pool: PoolSpec) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "HF_HOME", "value": engine_args.HF_HOME},
+        # The root filesystem is read-only: every cache goes to /tmp (an emptyDir)
+        {"name": "HOME", "value": TMP_DIR},
+        {"name": "XDG_CACHE_HOME", "value": f"{TMP_DIR}/.cache"},
     ]
     if isinstance(pool.source, HuggingFaceSource) and pool.source.token_secret:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
@@ -96,8 +102,9 @@ def _volumes(pool: PoolSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
     cache: dict[str, Any] = (
         {"persistentVolumeClaim": {"claimName": pool.cache_claim}} if pool.cache_claim
         else {"emptyDir": {"sizeLimit": pool.cache_size_limit}})
-    volumes = [{"name": "model-cache", **cache}]
-    mounts = [{"name": "model-cache", "mountPath": engine_args.MODEL_CACHE_DIR}]
+    volumes = [{"name": "model-cache", **cache}, {"name": "tmp", "emptyDir": {}}]
+    mounts = [{"name": "model-cache", "mountPath": engine_args.MODEL_CACHE_DIR},
+              {"name": "tmp", "mountPath": TMP_DIR}]
     if isinstance(pool.source, PvcSource):
         volumes.append({"name": "models", "persistentVolumeClaim": {
             "claimName": pool.source.claim_name, "readOnly": True}})
@@ -125,11 +132,10 @@ def _init_containers(pool: PoolSpec, image: str, mounts: list[dict[str, Any]]) -
 
 
 def _container_security(pool: PoolSpec) -> dict[str, Any]:
-    ctx: dict[str, Any] = {"allowPrivilegeEscalation": False,
-                           "capabilities": {"drop": ["ALL"]}}
-    if pool.engine.kind == "sluice":
-        ctx["runAsNonRoot"] = True
-    return ctx
+    """Pod Security's restricted profile, for vLLM's image too, with a read-only root."""
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True, "readOnlyRootFilesystem": True,
+            "seccompProfile": {"type": "RuntimeDefault"}}
 
 
 def render_pod_template(pool: PoolSpec, role: RoleSpec, config: RenderConfig) -> Manifest:
@@ -153,11 +159,11 @@ def render_pod_template(pool: PoolSpec, role: RoleSpec, config: RenderConfig) ->
         "initContainers": _init_containers(pool, image, mounts),
         "terminationGracePeriodSeconds": 60,
         "enableServiceLinks": False,
+        "automountServiceAccountToken": False,  # engines never call the API server
+        # (vLLM's image runs as root by default; it runs as this user as well)
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
+                            "fsGroup": 10001, "seccompProfile": {"type": "RuntimeDefault"}},
     }
-    if pool.engine.kind == "sluice":
-        pod["securityContext"] = {"runAsNonRoot": True, "runAsUser": 10001,
-                                  "runAsGroup": 10001, "fsGroup": 10001,
-                                  "seccompProfile": {"type": "RuntimeDefault"}}
     optional = {
         "nodeSelector": dict(pool.node_selector) or None,
         "tolerations": [dict(t) for t in pool.tolerations] or None,

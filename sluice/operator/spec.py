@@ -167,7 +167,16 @@ class PoolSpec:
         raise KeyError(name)
 
 
+# Hugging Face reads its token from these: a literal value would sit in the pool's spec
+# (readable by anyone who can read the pool) instead of in a Secret.
+_TOKEN_VARS = frozenset({"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"})
+
+
 def _engine(e: Mapping[str, Any]) -> EngineSpec:
+    for var in e.get("env") or ():
+        if var.get("name") in _TOKEN_VARS and "valueFrom" not in var:
+            raise SpecError(f"spec.engine.env {var['name']} must come from a Secret "
+                            "(valueFrom.secretKeyRef, or model.source.huggingFace.tokenSecret)")
     return EngineSpec(
         kind=e.get("kind", "sluice"), image=e.get("image") or None,
         block_size=int(e.get("blockSize", 16)), max_num_seqs=int(e.get("maxNumSeqs", 256)),
