@@ -222,3 +222,26 @@ def test_client_keys_are_on_by_default_from_a_generated_secret(default):
                   .endswith("-picker"))
     assert not any("api-keys" in a for a in picker["spec"]["template"]["spec"]["containers"][0]
                    ["args"])
+
+
+def test_network_policies_keep_engines_redis_and_picker_private(default, gie):
+    policies = {d["metadata"]["name"].rsplit("-", 1)[-1]: d["spec"]
+                for d in default if d["kind"] == "NetworkPolicy"}
+    assert set(policies) == {"engines", "redis", "picker"}
+
+    def components(rule):
+        return {peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+                for peer in rule["from"]}
+
+    http, events = policies["engines"]["ingress"]
+    assert components(http) == {"gateway", "picker", "operator"}
+    assert {p["port"] for p in http["ports"]} == {8000}
+    assert components(events) == {"picker"}  # the prompts' token ids: the picker only
+    assert {p["port"] for p in events["ports"]} == {5557, 5558}
+    (redis,) = policies["redis"]["ingress"]
+    assert components(redis) == {"picker", "operator"}
+    ext_proc = policies["picker"]["ingress"][0]
+    assert components(ext_proc) == {"gateway"} and ext_proc["ports"][0]["port"] == 9002
+    gie_picker = next(d["spec"] for d in gie if d["kind"] == "NetworkPolicy"
+                      and d["metadata"]["name"].endswith("-picker"))
+    assert "from" not in gie_picker["ingress"][0]  # any Gateway's data plane, in GIE mode
