@@ -112,7 +112,8 @@ def _expand(args: list[str], env: dict[str, str]) -> list[str]:
 def test_picker_flags_parse_with_sluice_epp(manifests):
     picker = _pod(manifests, "rel-sluice-picker")["containers"][0]
     env = dict(_get(manifests, "ConfigMap", "rel-sluice-picker")["data"])
-    env.update({e["name"]: e.get("value", "from-secret") for e in picker["env"]})
+    for e in picker["env"]:  # (as the kubelet does: a value may use the variables above it)
+        env[e["name"]] = _expand([e.get("value", "from-secret")], env)[0]
     args = _expand(picker["args"], env)
     assert args[0] == "epp" and not any("$(" in a for a in args), args
     parsed = build_parser(args).parse_args(args)

@@ -43,8 +43,13 @@ app.kubernetes.io/component: {{ index . 1 }}
       name: {{ .Values.redis.existingSecret }}
       key: {{ .Values.redis.existingSecretKey }}
 {{- else if .Values.redis.enabled }}
+- name: SLUICE_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "sluice.fullname" . }}-redis-auth
+      key: password
 - name: SLUICE_REDIS_URL
-  value: {{ printf "redis://%s-redis:6379/0" (include "sluice.fullname" .) | quote }}
+  value: {{ printf "redis://:$(SLUICE_REDIS_PASSWORD)@%s-redis:6379/0" (include "sluice.fullname" .) | quote }}
 {{- else if .Values.redis.externalUrl }}
 - name: SLUICE_REDIS_URL
   value: {{ .Values.redis.externalUrl | quote }}
