@@ -256,3 +256,16 @@ def test_network_policies_keep_engines_redis_and_picker_private(default, gie):
     gie_picker = next(d["spec"] for d in gie if d["kind"] == "NetworkPolicy"
                       and d["metadata"]["name"].endswith("-picker"))
     assert "from" not in gie_picker["ingress"][0]  # any Gateway's data plane, in GIE mode
+
+
+def test_engines_get_a_key_only_the_picker_holds(default):
+    import base64
+
+    secret = _by(default, "Secret", "-engine-key")
+    assert base64.b64decode(secret["data"]["key"]).startswith(b"sk-engine-")
+    op = _by(default, "Deployment", "-operator")["spec"]["template"]["spec"]["containers"][0]
+    assert "--engine-api-key-secret=rel-sluice-engine-key:key" in op["args"]
+    picker = _by(default, "Deployment", "-picker")["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in picker["env"]}
+    assert env["SLUICE_ENGINE_API_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "rel-sluice-engine-key", "key": "key"}

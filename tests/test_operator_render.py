@@ -205,3 +205,21 @@ def test_a_literal_hf_token_is_refused():
     body["spec"]["engine"]["env"] = [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
         "name": "hf", "key": "token"}}}]
     PoolSpec.from_body(body)
+
+
+def test_engines_take_their_api_key_from_the_configured_secret():
+    import argparse
+
+    from sluice.operator import cli
+
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    config = cli.config_from_args(p.parse_args(["--engine-api-key-secret", "engine-key:k"]))
+    for example in ("pool-cpu.yaml", "pool-vllm-gpu.yaml"):
+        pool = PoolSpec.from_body(_example(example))
+        (dep,) = _by_kind(render_pool(pool, config.render))["Deployment"][:1]
+        env = {e["name"]: e for e in _container(dep)["env"]}
+        assert env["VLLM_API_KEY"]["valueFrom"]["secretKeyRef"] == {
+            "name": "engine-key", "key": "k", "optional": True}
+    plain = _by_kind(render_pool(PoolSpec.from_body(_example("pool-cpu.yaml"))))
+    assert "VLLM_API_KEY" not in {e["name"] for e in _container(plain["Deployment"][0])["env"]}

@@ -27,6 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                  d.engine_image))
     parser.add_argument("--vllm-image", default=os.environ.get("SLUICE_VLLM_IMAGE",
                                                                d.vllm_image))
+    parser.add_argument("--engine-api-key-secret", metavar="SECRET[:KEY]",
+                        default=os.environ.get("SLUICE_ENGINE_API_KEY_SECRET"),
+                        help="the Secret (in each pool's namespace) whose KEY (default 'key') "
+                             "engines take as their API key ($VLLM_API_KEY)")
     parser.add_argument("--redis-url", default=os.environ.get("SLUICE_REDIS_URL"),
                         help="the gateway's Redis, for the index finalizer "
                              "(env SLUICE_REDIS_URL; may hold a password)")
@@ -59,9 +63,15 @@ def gie_from_args(args: argparse.Namespace) -> GieConfig | None:
                      failure_mode=args.gie_failure_mode, namespace=args.gie_namespace or None)
 
 
+def _render_config(args: argparse.Namespace) -> RenderConfig:
+    secret, _, key = (args.engine_api_key_secret or "").partition(":")
+    return RenderConfig(engine_image=args.engine_image, vllm_image=args.vllm_image,
+                        engine_key_secret=secret or None, engine_key_key=key or "key")
+
+
 def config_from_args(args: argparse.Namespace) -> OperatorConfig:
     return OperatorConfig(
-        render=RenderConfig(engine_image=args.engine_image, vllm_image=args.vllm_image),
+        render=_render_config(args),
         namespaces=tuple(args.namespace), peering_name=args.peering,
         standalone=args.standalone,
         priority=args.priority if args.priority is not None else random.randint(1, 2**31 - 1),

@@ -28,6 +28,10 @@ class RenderConfig:
     engine_image: str = "ghcr.io/sluice-dev/sluice-engine:0.1.0"
     vllm_image: str = "vllm/vllm-openai:v0.11.0"
     startup_timeout_s: int = 1800  # model download + load before liveness applies
+    # The Secret (in the pool's namespace) holding the engines' own API key, as
+    # `$VLLM_API_KEY` (ours and vLLM's engines read it); None: engines without a key.
+    engine_key_secret: str | None = None
+    engine_key_key: str = "key"
 
 
 TMP_DIR = "/tmp"
@@ -79,7 +83,7 @@ def render_pdb(pool: PoolSpec, role: RoleSpec) -> Manifest:
     })
 
 
-def _env(pool: PoolSpec) -> list[dict[str, Any]]:
+def _env(pool: PoolSpec, config: RenderConfig | None = None) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "HF_HOME", "value": engine_args.HF_HOME},
@@ -90,6 +94,11 @@ def _env(pool: PoolSpec) -> list[dict[str, Any]]:
     if isinstance(pool.source, HuggingFaceSource) and pool.source.token_secret:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
             "name": pool.source.token_secret, "key": pool.source.token_key}}})
+    if config is not None and config.engine_key_secret:
+        # optional: a pool in a namespace without the Secret still starts (keyless)
+        env.append({"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": {
+            "name": config.engine_key_secret, "key": config.engine_key_key,
+            "optional": True}}})
     return env + [dict(e) for e in pool.engine.env]
 
 
@@ -145,7 +154,7 @@ def render_pod_template(pool: PoolSpec, role: RoleSpec, config: RenderConfig) ->
     volumes, mounts = _volumes(pool)
     container = {
         "name": "engine", "image": image, "command": command, "args": args,
-        "env": _env(pool),
+        "env": _env(pool, config),
         "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in labels.PORTS],
         "resources": role.resources.to_manifest(),
         "startupProbe": _probe("/health", 10, max(1, config.startup_timeout_s // 10)),
