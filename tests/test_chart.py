@@ -174,13 +174,13 @@ def test_pods_are_non_root_with_pinned_images(which, request):
 def test_operator_and_picker_are_wired_to_redis_and_namespaces(default, custom):
     op = _by(default, "Deployment", "-operator")["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e for e in op["env"]}
-    # the chart's Redis wants its generated password, which the URL carries
+    # the chart's Redis has a user per component, whose generated password the URL carries
     assert env["SLUICE_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
-        "name": "rel-sluice-redis-auth", "key": "password"}
+        "name": "rel-sluice-redis-auth", "key": "operator"}
     names = [e["name"] for e in op["env"]]
     assert names.index("SLUICE_REDIS_PASSWORD") < names.index("SLUICE_REDIS_URL")
     assert env["SLUICE_REDIS_URL"]["value"] == \
-        "redis://:$(SLUICE_REDIS_PASSWORD)@rel-sluice-redis:6379/0"
+        "redis://operator:$(SLUICE_REDIS_PASSWORD)@rel-sluice-redis:6379/0"
     redis = _by(default, "StatefulSet", "-redis")["spec"]["template"]["spec"]
     args = redis["containers"][0]["args"]
     assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"

@@ -35,24 +35,36 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end -}}
 
 {{/* The Redis URL as an env var entry (from a Secret when one is given). */}}
+{{/* Redis ACL rules (after "on >password"): the index's keys only, no admin commands. */}}
+{{- define "sluice.redisAclPicker" -}}
+~sluice:* resetchannels &sluice:* +@all -@dangerous -@admin
+{{- end -}}
+{{- define "sluice.redisAclOperator" -}}
+~sluice:* resetchannels +@all -@dangerous -@admin -@pubsub
+{{- end -}}
+
+{{/* The Redis URL env of a component: (list $ "picker"|"operator"). The chart's Redis has
+a user per component, whose password the URL carries (an earlier variable, so the kubelet
+expands it). */}}
 {{- define "sluice.redisEnv" -}}
-{{- if .Values.redis.existingSecret }}
+{{- $root := index . 0 }}{{- $user := index . 1 }}
+{{- if $root.Values.redis.existingSecret }}
 - name: SLUICE_REDIS_URL
   valueFrom:
     secretKeyRef:
-      name: {{ .Values.redis.existingSecret }}
-      key: {{ .Values.redis.existingSecretKey }}
-{{- else if .Values.redis.enabled }}
+      name: {{ $root.Values.redis.existingSecret }}
+      key: {{ $root.Values.redis.existingSecretKey }}
+{{- else if $root.Values.redis.enabled }}
 - name: SLUICE_REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
-      name: {{ include "sluice.fullname" . }}-redis-auth
-      key: password
+      name: {{ include "sluice.fullname" $root }}-redis-auth
+      key: {{ $user }}
 - name: SLUICE_REDIS_URL
-  value: {{ printf "redis://:$(SLUICE_REDIS_PASSWORD)@%s-redis:6379/0" (include "sluice.fullname" .) | quote }}
-{{- else if .Values.redis.externalUrl }}
+  value: {{ printf "redis://%s:$(SLUICE_REDIS_PASSWORD)@%s-redis:6379/0" $user (include "sluice.fullname" $root) | quote }}
+{{- else if $root.Values.redis.externalUrl }}
 - name: SLUICE_REDIS_URL
-  value: {{ .Values.redis.externalUrl | quote }}
+  value: {{ $root.Values.redis.externalUrl | quote }}
 {{- end }}
 {{- end -}}
 
