@@ -195,7 +195,8 @@ def test_operator_and_picker_are_wired_to_redis_and_namespaces(default, custom):
     assert "--pool=llama-8b" in picker["args"] and "--discovery=kubernetes" in picker["args"]
     env = {e["name"]: e for e in picker["env"]}
     assert env["SLUICE_REDIS_URL"]["valueFrom"]["secretKeyRef"]["name"] == "redis-url"
-    assert "--redis-url=$(SLUICE_REDIS_URL)" in picker["args"]
+    # (read from $SLUICE_REDIS_URL: a password in the URL stays out of the process's argv)
+    assert not any(a.startswith("--redis-url") for a in picker["args"])
     assert _by(custom, "Role", "-picker")["metadata"]["namespace"] == "team-a"
     config = _by(custom, "ConfigMap", "-picker")["data"]
     assert config["SLUICE_ROUTING"] == "least_load"
@@ -256,6 +257,10 @@ def test_network_policies_keep_engines_redis_and_picker_private(default, gie):
     gie_picker = next(d["spec"] for d in gie if d["kind"] == "NetworkPolicy"
                       and d["metadata"]["name"].endswith("-picker"))
     assert "from" not in gie_picker["ingress"][0]  # any Gateway's data plane, in GIE mode
+    gie_engines = next(d["spec"] for d in gie if d["kind"] == "NetworkPolicy"
+                       and d["metadata"]["name"].endswith("-engines"))
+    open_http = gie_engines["ingress"][-1]  # which connects to the engines directly
+    assert "from" not in open_http and open_http["ports"] == [{"port": 8000, "protocol": "TCP"}]
 
 
 def test_engines_get_a_key_only_the_picker_holds(default):

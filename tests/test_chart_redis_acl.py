@@ -15,6 +15,7 @@ from sluice.gateway.index.local_index import LocalIndex
 from sluice.gateway.index.redis_apply import encode_ops
 from sluice.gateway.index.redis_index import RedisIndex
 from sluice.gateway.index.spec_mirror import SpecMirror
+from sluice.gateway.server.rate_limit import Limits, RateLimiter
 
 KEYS = [f"{i:016x}" for i in range(1, 9)]
 PASSWORDS = {"REDIS_PASSWORD": "adminpw", "REDIS_PICKER_PASSWORD": "pickerpw",
@@ -60,6 +61,11 @@ def test_the_picker_user_runs_the_index_and_the_speculation_channel(acl_redis):
             await index.write_loads({"a:1": {"waiting": 1.0, "running": 2.0,
                                              "kv_usage": 0.5, "ts_ms": time.time() * 1000}},
                                     1000, ["a:1"], time.monotonic() + 2)
+            # the per-key limits' script, under the same user
+            limiter = RateLimiter(Limits(requests_per_minute=1), index.aio, timeout_s=2.0)
+            assert await limiter.admit("team-a", 10) is None
+            assert await limiter.admit("team-a", 10) is not None
+            assert not limiter._warned  # (counted in Redis, not on this replica alone)
             await index.aio.aclose()
             return hits
 

@@ -32,6 +32,12 @@ def test_keys_from_a_folder_are_reloaded_when_it_changes(tmp_path):
     keys.reload()
     assert keys.name_of("Bearer sk-aaaa") is None and keys.name_of("Bearer sk-bbbb") == "team-b"
     assert ApiKeys().open
+    (tmp_path / "broken").write_bytes(b"\xff\xfe not text")  # skipped, the rest still read
+    (tmp_path / "team-c").write_text("sk-cccc")
+    keys.reload()
+    assert keys.name_of("Bearer sk-cccc") == "team-c"
+    (tmp_path / "broken").unlink()
+    (tmp_path / "team-c").unlink()
     (tmp_path / "team-b").unlink()
     keys.reload()
     assert not ApiKeys(None, str(tmp_path)).open  # an empty folder refuses everyone

@@ -54,10 +54,20 @@ def test_two_replicas_share_each_keys_request_count():
                 r.__exit__(None, None, None)
 
 
-def test_tokens_count_prompt_and_max_tokens_and_redis_down_counts_locally():
-    limiter = RateLimiter(Limits(tokens_per_minute=100))
+def test_tokens_are_counted_only_when_admitted_and_keys_apart():
+    limiter = RateLimiter(Limits(tokens_per_minute=100))  # (no Redis: this replica alone)
     assert asyncio.run(limiter.admit("k", 60, now=120.0)) is None
-    assert asyncio.run(limiter.admit("k", 30, now=130.0)) is None
-    assert asyncio.run(limiter.admit("k", 30, now=170.0)) == 10  # over: wait to 180 s
+    assert asyncio.run(limiter.admit("k", 50, now=130.0)) == 50  # over: wait to 180 s ...
+    assert asyncio.run(limiter.admit("k", 30, now=170.0)) is None  # ... and not counted
+    assert asyncio.run(limiter.admit("k", 30, now=171.0)) == 9
     assert asyncio.run(limiter.admit("k", 30, now=181.0)) is None  # a new minute
     assert asyncio.run(limiter.admit("other", 90, now=181.0)) is None  # keys apart
+
+
+def test_a_requests_cost_counts_every_prompt_and_n_completions():
+    from sluice.gateway.server.picker import UNBOUNDED_COMPLETION_TOKENS, _requested_tokens
+
+    assert _requested_tokens({"max_tokens": 50, "n": 4}) == 200
+    assert _requested_tokens({"max_completion_tokens": 7}) == 7
+    assert _requested_tokens({}) == UNBOUNDED_COMPLETION_TOKENS
+    assert _requested_tokens({"max_tokens": "5", "n": True}) == UNBOUNDED_COMPLETION_TOKENS

@@ -78,3 +78,21 @@ def test_logprobs_top_n():
     assert lp.token_id == 0 and abs(lp.logprob - expected[0].item()) < 1e-6
     assert [t for t, _ in lp.top] == [0, 1, 2]
     assert sample(LOGITS.unsqueeze(0), [req(SamplingParams(temperature=0))]).logprobs == [None]
+
+
+def test_the_inverse_cdf_keeps_every_tail_token_reachable():
+    """Near 1.0, float32 steps are ~6e-8: a cumulative sum in float32 would give most
+    tokens of a long tail under a 0.9999 head token no width at all."""
+    from sluice.engine.sampler import _inverse_cdf
+
+    vocab = 8192
+    probs = torch.full((1, vocab), 1e-4 / (vocab - 1), dtype=torch.float32)
+    probs[0, 0] = 0.9999
+    head = float(probs[0, 0].double())
+    tail = float(probs[0, 1:].double().sum())
+    hit = set()
+    for chunk in torch.arange(vocab - 1).split(512):
+        # one draw in the middle of each tail token's own share of the mass
+        u = 1.0 - (head + (chunk.double() + 0.5) / (vocab - 1) * tail)
+        hit.update(_inverse_cdf(probs.expand(len(chunk), -1), u.unsqueeze(1).float()).tolist())
+    assert len(hit - {0}) > 0.95 * (vocab - 1)

@@ -69,9 +69,11 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Per row, the first token whose cumulative probability reaches the row's draw.
 
     `u` in [0, 1) becomes (1 - u) x total, in (0, total]: a token of probability 0
-    (filtered out) adds nothing to the sum, so no target ever lands on it."""
-    cdf = probs.cumsum(dim=-1)
-    target = (1.0 - u) * cdf[:, -1:]
+    (filtered out) adds nothing to the sum, so no target ever lands on it. The sum runs
+    in float64: near 1.0 float32's step is ~6e-8, which would zero most of a 49k
+    vocabulary's tail under a 0.999 head token."""
+    cdf = probs.double().cumsum(dim=-1)
+    target = (1.0 - u.double()) * cdf[:, -1:]
     return torch.searchsorted(cdf, target).clamp_(max=probs.shape[1] - 1).squeeze(1)
 
 

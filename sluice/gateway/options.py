@@ -20,7 +20,7 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--discovery", choices=("static", "kubernetes"), default="static")
     p.add_argument("--namespace", default="default", help="kubernetes: namespace to watch")
     p.add_argument("--pool", default=None, help="kubernetes: only this InferencePool")
-    p.add_argument("--redis-url", default=None,
+    p.add_argument("--redis-url", default=os.environ.get("SLUICE_REDIS_URL"),
                    help="shared index + load table (none: this replica's local view only)")
     p.add_argument("--routing", choices=STRATEGIES, default="kv_aware")
     p.add_argument("--tokenizer", action="append", default=[], metavar="[MODEL=]PATH",

@@ -193,9 +193,8 @@ class LocalStack:
         self.envoy = Child("envoy", [envoy, "-c", path, "--log-level", "warn",
                                      "--use-dynamic-base-id"], self.out, 7)
         children = [picker, self.envoy]
-        wait_until(lambda: all(c.alive() for c in children) and _ok(self.url + "/health")
-                   and _has_models(self.url, self.cfg.api_key), 60, "gateway (envoy + picker)",
-                   children)
+        wait_until(lambda: all(c.alive() for c in children) and _has_pods(self.url), 60,
+                   "gateway (envoy + picker)", children)
 
     def flush_redis(self) -> None:
         import redis
@@ -270,9 +269,10 @@ def _grpc_ready(port: int) -> bool:
     return answer.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def _has_models(url: str, api_key: str | None = None) -> bool:
-    headers = {"authorization": f"Bearer {api_key}"} if api_key else None
+def _has_pods(url: str) -> bool:
+    """The gateway answers /health (no key needed) and its picker knows a ready pod."""
     try:
-        return bool(httpx.get(url + "/v1/models", timeout=1.0, headers=headers).json()["data"])
+        r = httpx.get(url + "/health", timeout=1.0)
+        return r.status_code == 200 and bool(r.json()["pods"])
     except (httpx.HTTPError, ValueError, KeyError):
         return False

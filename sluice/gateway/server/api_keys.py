@@ -72,10 +72,14 @@ class ApiKeys:
         keys = dict(self._fixed)
         for name in names:
             path = os.path.join(self.folder, name)
-            if not os.path.isfile(path):
+            try:
+                if not os.path.isfile(path):
+                    continue
+                with open(path, encoding="utf-8") as f:
+                    key = f.read().strip()
+            except (OSError, UnicodeDecodeError) as err:  # (a Secret swapped mid-read)
+                log.warning("API key file %s unreadable (%s); skipped", name, err)
                 continue
-            with open(path, encoding="utf-8") as f:
-                key = f.read().strip()
             if key:
                 keys[_digest(key)] = name
         if self._stamp is not None:
@@ -85,4 +89,7 @@ class ApiKeys:
     async def reload_loop(self) -> None:
         while self.folder is not None:
             await asyncio.sleep(self.reload_s)
-            self.reload()
+            try:
+                self.reload()
+            except Exception:  # the loop must outlive any one bad read: revocations depend on it
+                log.exception("reloading the API keys failed; trying again")

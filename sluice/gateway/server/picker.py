@@ -103,8 +103,9 @@ class EndpointPicker:
         started = time.perf_counter()
         token_ids = await self._token_ids(kind, data, len(body), pods)
         if key_name is not None and self.cfg.limits.any:
-            cost = (len(token_ids) if token_ids is not None else len(body) // 4) \
-                + _requested_tokens(data)
+            # every prompt of the body (about 4 bytes a token where none was tokenized),
+            # plus n completions of max_tokens each
+            cost = max(len(token_ids or ()), len(body) // 4) + _requested_tokens(data)
             wait_s = await self.limiter.admit(key_name, cost)
             if wait_s is not None:
                 core.metrics.errors.labels("rate_limited").inc()
@@ -174,13 +175,17 @@ class EndpointPicker:
 
     def served(self, attempt: Attempt, pod: str | None) -> Attempt:
         """The data plane says `pod` served (None: no pod could be reached). Envoy
-        moves on from the chosen pod only when it refused or reset the connection
-        or answered 503 before any byte: a failed attempt of that pod, which the
-        health tracker counts (bounded ejection); the attempt moves to `pod`."""
+        moves on from the chosen pod to a named fallback only when it refused or
+        reset the connection or answered 503 before any byte: a failed attempt of
+        that pod, which the health tracker counts (bounded ejection). A pod the
+        picker never named served when Envoy did not know the chosen one yet (its
+        DNS view lags a new pod) or had tried them all: no verdict on the chosen one.
+        The attempt moves to `pod`."""
         if pod == attempt.d.pod:
             self.core.health.success(pod)
             return attempt
-        self.core.health.connection_failure(attempt.d.pod)
+        if pod is None or pod in attempt.d.fallbacks:
+            self.core.health.connection_failure(attempt.d.pod)
         self.core.metrics.retries.inc()
         attempt.done()
         if pod is None:
@@ -190,7 +195,14 @@ class EndpointPicker:
         return self.start(moved)
 
 
+UNBOUNDED_COMPLETION_TOKENS = 1024  # counted for a request that sets no max_tokens
+
+
 def _requested_tokens(data: dict) -> int:
-    """The completion tokens a request may cost (`max_tokens`, else its chat name)."""
-    n = data.get("max_completion_tokens") or data.get("max_tokens")
-    return n if type(n) is int and n > 0 else 0  # (the engine judges a bad value)
+    """The completion tokens a request may cost: n x max_tokens (or its chat name);
+    `UNBOUNDED_COMPLETION_TOKENS` each when it sets none. (The engine judges bad values.)"""
+    n = data.get("n")
+    n = n if type(n) is int and n > 0 else 1
+    limit = data.get("max_completion_tokens") or data.get("max_tokens")
+    limit = limit if type(limit) is int and limit > 0 else UNBOUNDED_COMPLETION_TOKENS
+    return n * limit

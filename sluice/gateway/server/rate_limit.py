@@ -1,11 +1,10 @@
 """Per-key limits on requests and tokens per minute, shared by every picker replica.
 
-Each admitted request adds 1 to its key's request count and its tokens (the
-prompt's, plus the `max_tokens` it asks for: what it may cost) to its token count,
-in a window of one wall-clock minute kept in Redis (`sluice:rl:{name}:{minute}`,
-one HINCRBY pipeline, expiring after two minutes), so all replicas count
-together. Over either limit: 429 with Retry-After = the seconds left in the
-minute. A request is counted once, where the picker sees it: Envoy's retries on
+Each admitted request adds 1 to its key's request count and its cost to its token
+count, in a window of one wall-clock minute kept in Redis (`sluice:rl:{name}:{minute}`,
+expiring after two minutes), so all replicas count together. A request that would
+pass either limit is refused (429, Retry-After = the seconds left in the minute) and
+counted nowhere: the check and the count are one script, atomic across replicas. A request is counted once, where the picker sees it: Envoy's retries on
 fallback endpoints never come back to the picker. Without Redis, or when it does
 not answer within `timeout_s`, each replica counts alone (and says so once).
 """
@@ -38,11 +37,25 @@ class Limits:
         return bool(self.requests_per_minute or self.tokens_per_minute)
 
 
+# KEYS[1] the window; ARGV: requests/min, tokens/min (0: none), this request's cost.
+_ADMIT = """
+local req = tonumber(redis.call('HGET', KEYS[1], 'req') or '0')
+local tok = tonumber(redis.call('HGET', KEYS[1], 'tok') or '0')
+local rpm, tpm, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+if (rpm > 0 and req + 1 > rpm) or (tpm > 0 and tok + cost > tpm) then return 0 end
+redis.call('HINCRBY', KEYS[1], 'req', 1)
+redis.call('HINCRBY', KEYS[1], 'tok', cost)
+redis.call('EXPIRE', KEYS[1], 120)
+return 1
+"""
+
+
 class RateLimiter:
     """Used on the event loop only."""
 
     def __init__(self, limits: Limits, redis_aio=None, timeout_s: float = 0.05) -> None:
         self.limits, self.redis, self.timeout_s = limits, redis_aio, timeout_s
+        self._script = redis_aio.register_script(_ADMIT) if redis_aio is not None else None
         self._local: dict[tuple[str, int], list[int]] = {}
         self._warned = False
 
@@ -52,21 +65,18 @@ class RateLimiter:
             return None
         now = time.time() if now is None else now
         minute = int(now // 60)
-        counts = await self._count(name, minute, tokens)
-        retry_after = max(1, math.ceil((minute + 1) * 60 - now))
-        rpm, tpm = self.limits.requests_per_minute, self.limits.tokens_per_minute
-        if (rpm and counts[0] > rpm) or (tpm and counts[1] > tpm):
-            return retry_after
+        if not await self._admit(name, minute, tokens):
+            return max(1, math.ceil((minute + 1) * 60 - now))
         return None
 
-    async def _count(self, name: str, minute: int, tokens: int) -> tuple[int, int]:
-        if self.redis is not None:
-            key = f"{PREFIX}rl:{name}:{minute}"
+    async def _admit(self, name: str, minute: int, cost: int) -> bool:
+        rpm, tpm = self.limits.requests_per_minute, self.limits.tokens_per_minute
+        if self._script is not None:
             try:
-                pipe = self.redis.pipeline(transaction=False)
-                pipe.hincrby(key, "req", 1).hincrby(key, "tok", tokens).expire(key, 120)
-                req, tok, _ = await asyncio.wait_for(pipe.execute(), self.timeout_s)
-                return int(req), int(tok)
+                admitted = await asyncio.wait_for(
+                    self._script(keys=[f"{PREFIX}rl:{name}:{minute}"], args=[rpm, tpm, cost]),
+                    self.timeout_s)
+                return bool(admitted)
             except (RedisError, OSError, TimeoutError) as err:
                 if not self._warned:
                     self._warned = True
@@ -75,6 +85,8 @@ class RateLimiter:
         for old in [k for k in self._local if k[1] < minute]:
             del self._local[old]
         row = self._local.setdefault((name, minute), [0, 0])
+        if (rpm and row[0] + 1 > rpm) or (tpm and row[1] + cost > tpm):
+            return False
         row[0] += 1
-        row[1] += tokens
-        return row[0], row[1]
+        row[1] += cost
+        return True
