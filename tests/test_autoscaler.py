@@ -80,10 +80,10 @@ vllm:kv_cache_usage_perc{model_name="m"} 0.42
 vllm:num_requests_waiting{model_name="m"} 3.0
 vllm:num_requests_running{model_name="m"} 7.0
 """
-    assert metrics.engine_load(metrics.parse_gauges(text)) == (0.42, 3.0)
+    assert metrics.engine_load(text) == (0.42, 3.0)
     old = 'vllm:gpu_cache_usage_perc{model_name="m"} 0.5\n'
-    assert metrics.engine_load(metrics.parse_gauges(old)) == (0.5, 0.0)
-    assert metrics.engine_load(metrics.parse_gauges("other 1\n")) is None
+    assert metrics.engine_load(old) == (0.5, 0.0)
+    assert metrics.engine_load("other 1\n") is None
     assert metrics.aggregate([(0.2, 1.0), (0.6, 3.0)]) == LoadSample(0.4, 2.0, 2)
 
 
@@ -146,3 +146,22 @@ def test_sample_pool_scrapes_ready_engines_of_the_role_and_skips_failures():
 
     sample = asyncio.run(scenario())
     assert sample == LoadSample(0.4, 3.0, 2)
+
+
+def test_the_operator_and_the_picker_read_a_data_parallel_pod_alike():
+    """One parser for both (`sluice/metrics_text.py`): a data-parallel vLLM pod exports a
+    KV-usage series per engine, each a fraction of its own cache: the mean, not the sum."""
+    from sluice.metrics_text import parse_engine_metrics
+
+    text = ('vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.6\n'
+            'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.8\n'
+            'vllm:num_requests_waiting{engine="0",model_name="m"} 2\n'
+            'vllm:num_requests_waiting{engine="1",model_name="m"} 3\n'
+            'vllm:cache_config_info{block_size="16",num_gpu_blocks="4096"} 1\n'
+            'vllm:e2e_request_latency_seconds_bucket{le="1.0",model_name="m"} 4\n')
+    kv, waiting = metrics.engine_load(text)
+    assert (round(kv, 6), waiting) == (0.7, 5.0)
+    picker = parse_engine_metrics(text)
+    assert round(picker.kv_usage, 6) == 0.7 and picker.waiting == 5.0
+    assert (picker.block_size, picker.num_gpu_blocks) == (16, 4096)
+    assert not parse_engine_metrics("not prometheus {{{\n").reports_kv

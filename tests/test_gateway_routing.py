@@ -150,7 +150,7 @@ def test_prefix_strategy_uses_routing_history_only():
 
 
 def test_parse_engine_metrics():
-    from sluice.gateway.load.table import parse_engine_metrics
+    from sluice.metrics_text import parse_engine_metrics
     text = """# HELP vllm:num_requests_waiting x
 vllm:num_requests_waiting{model_name="m"} 3.0
 vllm:num_requests_running{model_name="m"} 2.0
@@ -168,7 +168,7 @@ vllm:prefix_cache_hits_created{model_name="m"} 1.7e9
 
 
 def test_kv_usage_of_a_data_parallel_server_is_the_mean_of_its_engines():
-    from sluice.gateway.load.table import parse_engine_metrics
+    from sluice.metrics_text import parse_engine_metrics
     text = """vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
 vllm:num_requests_waiting{engine="1",model_name="m"} 1.0
 vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5

@@ -9,42 +9,19 @@ mean (it is not ready to take load anyway).
 from __future__ import annotations
 
 import asyncio
-import re
 from typing import Any
 
 import httpx
 
+from sluice.metrics_text import parse_engine_metrics
 from sluice.operator.autoscale import LoadSample
 
-KV_USAGE = "vllm:kv_cache_usage_perc"
-KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"
-WAITING = "vllm:num_requests_waiting"
 
-_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
-
-
-def parse_gauges(text: str) -> dict[str, float]:
-    """Sum of each metric's samples across label sets (one model per engine)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _LINE.match(line)
-        if not m:
-            continue
-        try:
-            value = float(m.group(3))
-        except ValueError:
-            continue
-        out[m.group(1)] = out.get(m.group(1), 0.0) + value
-    return out
-
-
-def engine_load(gauges: dict[str, float]) -> tuple[float, float] | None:
-    kv = gauges.get(KV_USAGE, gauges.get(KV_USAGE_OLD))
-    if kv is None:
-        return None
-    return kv, gauges.get(WAITING, 0.0)
+def engine_load(text: str) -> tuple[float, float] | None:
+    """(KV usage, waiting requests) of one engine's `/metrics` page; None without a
+    KV-usage gauge (not an engine, or not ready)."""
+    m = parse_engine_metrics(text)
+    return (m.kv_usage, m.waiting) if m.reports_kv else None
 
 
 def aggregate(loads: list[tuple[float, float]]) -> LoadSample | None:
@@ -60,7 +37,7 @@ async def scrape(http: httpx.AsyncClient, url: str, timeout: float) -> tuple[flo
         response.raise_for_status()
     except (httpx.HTTPError, OSError):
         return None
-    return engine_load(parse_gauges(response.text))
+    return engine_load(response.text)
 
 
 async def sample_pool(http: httpx.AsyncClient, endpoints: list[dict[str, Any]],

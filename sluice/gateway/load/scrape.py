@@ -18,7 +18,8 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from sluice.gateway.discovery.pod_client import POD_ERRORS, PodClient
-from sluice.gateway.load.table import EngineMetrics, LoadTable, parse_engine_metrics
+from sluice.gateway.load.table import LoadTable
+from sluice.metrics_text import EngineMetrics, parse_engine_metrics
 
 log = logging.getLogger("sluice.gateway.load")
 
