@@ -143,6 +143,10 @@ def test_rbac_is_least_privilege(default):
     assert all("*" not in rule["verbs"] for rule in operator["rules"])
     pods = next(rule for rule in operator["rules"] if "pods" in rule["resources"])
     assert set(pods["verbs"]) == {"get", "list", "watch"}
+    # blockOwnerDeletion on the children: update on the pools' finalizers, and only that
+    finalizers = next(rule for rule in operator["rules"]
+                      if "inferencepools/finalizers" in rule["resources"])
+    assert finalizers["verbs"] == ["update"] and finalizers["apiGroups"] == ["sluice.dev"]
     picker = _by(default, "Role", "-picker")
     assert {v for rule in picker["rules"] for v in rule["verbs"]} == {"get", "list", "watch"}
     assert {r for rule in picker["rules"] for r in rule["resources"]} == {"inferencepools", "pods"}
