@@ -43,8 +43,8 @@ def test_chat_non_streaming_usage_and_length(client):
 
 
 def test_stream_equals_non_stream(client):
-    kwargs = dict(model=MODEL, prompt="The quick brown fox", max_tokens=12, temperature=0,
-                  extra_body={"ignore_eos": True})
+    kwargs = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 12,
+              "temperature": 0, "extra_body": {"ignore_eos": True}}
     full = client.completions.create(**kwargs)
     chunks = list(client.completions.create(**kwargs, stream=True,
                                             stream_options={"include_usage": True}))
@@ -54,8 +54,8 @@ def test_stream_equals_non_stream(client):
 
 
 def test_chat_stream_roles_and_text(client):
-    kwargs = dict(model=MODEL, messages=CHAT, max_tokens=10, temperature=0,
-                  extra_body={"ignore_eos": True})
+    kwargs = {"model": MODEL, "messages": CHAT, "max_tokens": 10, "temperature": 0,
+              "extra_body": {"ignore_eos": True}}
     full = client.chat.completions.create(**kwargs).choices[0].message.content
     chunks = list(client.chat.completions.create(**kwargs, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"

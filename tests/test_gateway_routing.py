@@ -185,15 +185,15 @@ def test_a_removed_pods_metric_series_go():
 
     m = GatewayMetrics()
     m.decided("kv_aware", "a:1", 2, 4)
-    m.child(m.ttfb, "a:1").observe(0.1)
-    m.child(m.upstream, "b:1").observe(1.0)
+    m.decided("round_robin", "b:1", 0, 0)
     m.forget_pod("a:1")
     m.forget_pod("never-seen:1")
     text = generate_latest(m.registry).decode()
     assert "a:1" not in text and 'pod="b:1"' in text
-    m.child(m.ttfb, "a:1").observe(0.1)  # back: a new series, not the dropped one's child
+    m.decided("kv_aware", "a:1", 2, 4)  # back: a new series, not the dropped one's child
     text = generate_latest(m.registry).decode()
-    assert 'sluice_gateway_upstream_first_byte_seconds_count{pod="a:1"} 1.0' in text
+    assert ('sluice_gateway_routing_decisions_total{pod="a:1",strategy="kv_aware"} 1.0'
+            in text)
 
 
 def test_own_speculative_entries_extend_hits_found_elsewhere():

@@ -195,11 +195,11 @@ def _start_path(name: str, up_port: int, redis_url: str, routing: str, extra: li
     envoy = EnvoyProcess(cfg, bootstrap=bootstrap, concurrency=1).start()
     procs.append(envoy)
     url = f"http://127.0.0.1:{envoy.listen_port}"
-    _wait_json_models(url)
+    _wait_routed(url)
     return _Path(url, pid, metrics)
 
 
-def _wait_json_models(url: str, timeout: float = 60) -> None:
+def _wait_routed(url: str, timeout: float = 60) -> None:
     """Until a completion through `url` succeeds (the picker learnt the upstream)."""
     deadline = time.time() + timeout
     while time.time() < deadline:

@@ -1,4 +1,4 @@
-"""The gateway's own Prometheus metrics (served on its /metrics)."""
+"""The picker's own Prometheus metrics (served on its --metrics-port)."""
 
 from __future__ import annotations
 
@@ -26,13 +26,8 @@ class GatewayMetrics:
         self.route_seconds = Histogram("sluice_gateway_routing_seconds",
                                        "Tokenize + index lookup + scoring", registry=r,
                                        buckets=_LAT)
-        self.ttfb = Histogram("sluice_gateway_upstream_first_byte_seconds",
-                              "Upstream time to first byte", ["pod"], registry=r, buckets=_LAT)
-        self.upstream = Histogram("sluice_gateway_upstream_seconds",
-                                  "Upstream request duration, every attempt", ["pod"], registry=r, buckets=_LAT)
         self.errors = Counter(  # kinds: bad_request, not_found, unknown_model, tokenize,
-            # no_pod, connect, connect_timeout, upstream_timeout, upstream_5xx, upstream_429,
-            # mid_stream, internal
+            # no_pod, shed, rate_limited, unauthorized (Envoy counts the upstream's own)
             "sluice_gateway_errors", "Errors by kind", ["kind"], registry=r)
         self.requests = Counter("sluice_gateway_requests", "Requests admitted, by API key name",
                                 ["api_key"], registry=r)
@@ -61,8 +56,7 @@ class GatewayMetrics:
 
     def forget_pod(self, pod: str) -> None:
         """Drop a removed pod's series (pods come and go; series must not pile up)."""
-        series = [(self.ttfb, (pod,)), (self.upstream, (pod,))] + [
-            (self.decisions, (s, pod)) for s in STRATEGIES]
+        series = [(self.decisions, (s, pod)) for s in STRATEGIES]
         for metric, labels in series:
             self._children.pop((metric, labels), None)
             try:

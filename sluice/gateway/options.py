@@ -13,7 +13,7 @@ log = logging.getLogger("sluice.gateway")
 
 
 def add_routing_arguments(p: argparse.ArgumentParser) -> None:
-    """Discovery, index, load and routing: shared by `sluice gateway` and `sluice epp`."""
+    """Discovery, index, load and routing (`sluice epp`, the overhead benchmark)."""
     p.add_argument("--engine", action="append", default=[], metavar="SPEC",
                    help="static engine: URL[,events=tcp://h:5557][,replay=tcp://h:5558]"
                         "[,model=NAME][,pool=P] (repeatable)")

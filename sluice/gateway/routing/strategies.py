@@ -58,6 +58,12 @@ class LeastLoad:
         return ()
 
 
+def _prompt_parts(cfg: RoutingConfig, load_parts: list[tuple[float, Scorer]]
+                  ) -> list[tuple[float, Scorer]]:
+    """The prefix-hit and prefill-cost scores, then the load ones."""
+    return [(cfg.w_prefix, PrefixScorer()), (cfg.w_prefill, PrefillCostScorer()), *load_parts]
+
+
 class Prefix(LeastLoad):
     name = "prefix"
     uses_prompt = True
@@ -65,8 +71,7 @@ class Prefix(LeastLoad):
     def __init__(self, cfg: RoutingConfig, history: LocalIndex) -> None:
         super().__init__(cfg)
         self.history = history
-        self.parts = [(cfg.w_prefix, PrefixScorer()), (cfg.w_prefill, PrefillCostScorer()),
-                      *self.parts]
+        self.parts = _prompt_parts(cfg, self.parts)
 
     async def hits(self, keys: list[str], pods: list[str]
                    ) -> tuple[dict[str, int], Loads | None, dict[str, int]]:
@@ -86,8 +91,7 @@ class KVAware(LeastLoad):
     def __init__(self, cfg: RoutingConfig, index: PrefixIndex) -> None:
         super().__init__(cfg)
         self.index = index
-        self.parts = [(cfg.w_prefix, PrefixScorer()), (cfg.w_prefill, PrefillCostScorer()),
-                      *self.parts, (cfg.w_room, CacheRoomScorer())]
+        self.parts = [*_prompt_parts(cfg, self.parts), (cfg.w_room, CacheRoomScorer())]
 
     async def hits(self, keys: list[str], pods: list[str]
                    ) -> tuple[dict[str, int], Loads | None, dict[str, int]]:
