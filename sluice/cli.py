@@ -19,6 +19,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("operator",), "sluice.operator.cli", "run the Kubernetes operator (kopf)"),
     (("bench", "engine"), "sluice.bench.engine", "offline engine throughput / latency"),
     (("bench", "serve"), "sluice.bench.serve", "drive an OpenAI endpoint with a workload"),
+    (("bench", "step"), "sluice.bench.step_profile", "where a decode step's time goes"),
 ]
 
 

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from sluice.engine.attention.backend import AttentionMetadata
+from sluice.engine.attention.backend import AttentionMetadata, kv_cache_shape
 from sluice.engine.attention.torch_backend import TorchAttentionBackend
 from sluice.engine.attention.triton_backend import TritonAttentionBackend
 
@@ -54,7 +54,7 @@ def make_step(seqs, num_kv_heads, qpk, head_dim, block_size, dtype, seed, pad_to
     padded = [t + [0] * (width - len(t)) for t in tables]
     tokens = qsl[-1] + pad_tokens
     heads = num_kv_heads * qpk
-    cache = torch.randn((2, num_blocks, block_size, num_kv_heads, head_dim), generator=g)
+    cache = torch.randn(kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim), generator=g)
     q = torch.randn((tokens, heads, head_dim), generator=g)
     k = torch.randn((tokens, num_kv_heads, head_dim), generator=g)
     v = torch.randn((tokens, num_kv_heads, head_dim), generator=g)

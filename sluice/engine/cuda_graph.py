@@ -31,14 +31,14 @@ class DecodeGraphRunner:
         self.model, self.kv_caches = model, kv_caches
         self.sizes = [s for s in CAPTURE_SIZES if s < max_batch] + [max_batch]
         size = self.sizes[-1]
-        long, i32 = dict(dtype=torch.long, device=device), dict(dtype=torch.int32, device=device)
+        long, i32 = {"dtype": torch.long, "device": device}, {"dtype": torch.int32, "device": device}
         self.input_ids = torch.zeros(size, **long)
         self.positions = torch.zeros(size, **long)
         self.slot_mapping = torch.full((size,), -1, **long)
         self.seq_lens = torch.zeros(size, **i32)
         self.query_start_loc = torch.arange(size + 1, **i32)
         self.block_tables = torch.zeros(size, max_blocks_per_seq, **i32)
-        self.block_size = kv_caches[0].shape[2]
+        self.block_size = kv_caches[0].shape[3]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         if capture:

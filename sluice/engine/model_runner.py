@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from sluice.engine.attention.backend import AttentionMetadata
+from sluice.engine.attention.backend import AttentionMetadata, kv_cache_shape
 from sluice.engine.config import CacheConfig, ModelConfig
 from sluice.engine.cuda_graph import DecodeGraphRunner
 from sluice.engine.model.decoder import CausalLM
@@ -45,8 +45,8 @@ class ModelRunner:
                  device: torch.device, dtype: torch.dtype):
         cfg = model.config
         self.model, self.device, self.block_size = model, device, block_size
-        # One pre-allocated pool per layer: [K/V, block, offset, kv_head, head_dim].
-        shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        # One pre-allocated pool per layer, in the backends' shared layout.
+        shape = kv_cache_shape(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
                           for _ in range(cfg.num_hidden_layers)]
         self.decode_graphs: DecodeGraphRunner | None = None  # set by enable_decode_graphs

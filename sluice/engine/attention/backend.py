@@ -7,14 +7,26 @@ tokens of context whose K/V live in the paged cache at the blocks listed in
 (slot = block_id * block_size + offset) before attention reads them, so a
 prefill chunk attends causally to its cached prefix and to itself, and a decode
 attends to everything before it.
+
+The cache layout, one for every backend: a layer's cache is
+[2 (K, V), num_blocks, kv_heads, block_size, head_dim]. Head-major within a block,
+so one head's keys of one block are a contiguous [block_size, head_dim] tile: the
+CPU decode multiplies those tiles in place of gathered copies (3-4x faster per
+layer than token-major blocks, docs/benchmarks.md), and Triton loads them whole.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                   head_dim: int) -> tuple[int, int, int, int, int]:
+    return (2, num_blocks, num_kv_heads, block_size, head_dim)
 
 
 @dataclass
@@ -26,6 +38,9 @@ class AttentionMetadata:
     # Host copies for backends that loop in Python (the CPU reference).
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Backend-private data derived from the fields above, built by the first layer that
+    # needs it and reused by every other layer of the step.
+    plan: Any = field(default=None, compare=False, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -33,7 +48,7 @@ class AttentionMetadata:
 
 
 class AttentionBackend(ABC):
-    """Paged attention for one layer; `kv_cache` is [2, num_blocks, block_size, kv_heads, head_dim]."""
+    """Paged attention for one layer; `kv_cache` has the shape `kv_cache_shape` gives."""
 
     @abstractmethod
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

@@ -83,9 +83,9 @@ class TritonAttentionBackend(AttentionBackend):
         write_kv_kernel[(num_tokens,)](
             k, v, kv_cache, meta.slot_mapping,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+            *_cache_strides(kv_cache),
             NUM_KV_HEADS=num_kv_heads, HEADS_P2=_pow2(num_kv_heads),
-            HEAD_DIM=head_dim, HEAD_DIM_P2=_pow2(head_dim), BLOCK_SIZE=kv_cache.shape[2],
+            HEAD_DIM=head_dim, HEAD_DIM_P2=_pow2(head_dim), BLOCK_SIZE=kv_cache.shape[3],
         )
 
     # -- attention --------------------------------------------------------------------------
@@ -95,7 +95,7 @@ class TritonAttentionBackend(AttentionBackend):
         (query head h reads KV head h // (heads // kv_heads)). Reads `query_start_loc`,
         `seq_lens`, `block_tables` on the device; the step's K/V must already be written."""
         num_tokens, num_heads, head_dim = q.shape
-        _, _, block_size, num_kv_heads, _ = kv_cache.shape
+        _, _, num_kv_heads, block_size, _ = kv_cache.shape
         _check_cache(kv_cache, num_kv_heads, head_dim)
         assert q.dtype == kv_cache.dtype, "q and kv_cache dtypes differ"
         assert q.stride(2) == 1, "head_dim must be contiguous"
@@ -125,7 +125,7 @@ class TritonAttentionBackend(AttentionBackend):
             meta.query_start_loc, meta.seq_lens, meta.block_tables,
             num_seqs, scale * 1.4426950408889634,  # log2(e): softmax via exp2
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+            *_cache_strides(kv_cache),
             meta.block_tables.stride(0),
             part_out.stride(0), part_out.stride(1), part_out.stride(2),
             part_lse.stride(0), part_lse.stride(1),
@@ -183,10 +183,16 @@ class TritonAttentionBackend(AttentionBackend):
         return splits
 
 
+def _cache_strides(kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """The kernels' (K/V, block, offset, head) strides of the [2, blocks, heads, offsets,
+    head_dim] layout."""
+    return kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(3), kv_cache.stride(2)
+
+
 def _check_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
     assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, \
-        "kv_cache is [2, num_blocks, block_size, kv_heads, head_dim]"
-    assert kv_cache.shape[3] == num_kv_heads and kv_cache.shape[4] == head_dim, \
+        "kv_cache is [2, num_blocks, kv_heads, block_size, head_dim]"
+    assert kv_cache.shape[2] == num_kv_heads and kv_cache.shape[4] == head_dim, \
         "kv_cache heads/head_dim do not match"
     assert kv_cache.stride(4) == 1, "kv_cache head_dim must be contiguous"
     assert kv_cache.dtype in _DTYPES, f"unsupported dtype {kv_cache.dtype}"

@@ -3,7 +3,7 @@
 Layouts (all row-major, last dimension contiguous):
   q, out        [num_tokens, num_heads, head_dim]          flat varlen batch
   k, v          [num_tokens, num_kv_heads, head_dim]
-  kv_cache      [2, num_blocks, block_size, num_kv_heads, head_dim]   (0 = K, 1 = V)
+  kv_cache      [2, num_blocks, num_kv_heads, block_size, head_dim]   (0 = K, 1 = V)
   part_out      [num_tokens, num_heads, num_splits, head_dim] fp32  (split-KV partials)
   part_lse      [num_tokens, num_heads, num_splits]           fp32  (log2-sum-exp2 per split)
 
