@@ -29,18 +29,17 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rotary = RotaryEmbedding(self.head_dim, cfg.rope_theta, dict(cfg.rope_scaling))
         self.backend = backend
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, positions, x, kv_cache: torch.Tensor, meta: AttentionMetadata):
+    def forward(self, cos_sin, x, kv_cache: torch.Tensor, meta: AttentionMetadata):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = RotaryEmbedding.apply(cos_sin, q, k)
         self.backend.write_kv(k, v, kv_cache, meta)
         o = self.backend.attend(q, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
@@ -54,8 +53,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, positions, x, kv_cache, meta):
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+    def forward(self, cos_sin, x, kv_cache, meta):
+        x = x + self.self_attn(cos_sin, self.input_layernorm(x), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -65,6 +64,7 @@ class DecoderBody(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, dict(cfg.rope_scaling))
 
 
 class CausalLM(nn.Module):
@@ -81,8 +81,9 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
+        cos_sin = self.model.rotary.cos_sin(positions, x.dtype)  # one per step, every layer's
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(positions, x, kv_cache, meta)
+            x = layer(cos_sin, x, kv_cache, meta)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -44,17 +44,22 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE applied to q and k at arbitrary positions (cos/sin computed per step)."""
+    """Rotate-half RoPE. `cos_sin(positions)` is computed once per step and shared by every
+    layer; `apply` rotates one layer's q and k with it."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.unsqueeze(0)  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos().to(q.dtype).unsqueeze(1)  # [T, 1, D]
-        sin = emb.sin().to(q.dtype).unsqueeze(1)
+        return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)  # [T, 1, D]
+
+    @staticmethod
+    def apply(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
+        cos, sin = cos_sin
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
