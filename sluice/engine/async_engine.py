@@ -1,4 +1,7 @@
-"""Runs the LLMEngine on a background thread beside an asyncio event loop.
+"""Runs the LLMEngine on a background thread beside an asyncio event loop, in-process.
+
+`sluice engine` runs the engine in its own process instead (sluice.engine.core), with
+the same interface; this in-process form serves tests, benchmarks and embedding.
 
 The engine thread owns the LLMEngine: it drains a queue of commands (add,
 abort), runs one step whenever there is work, and hands each RequestOutput to
@@ -16,6 +19,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 
+from sluice.engine.core.messages import EngineInfo
 from sluice.engine.llm_engine import LLMEngine
 from sluice.engine.outputs import RequestOutput
 from sluice.engine.sampling_params import SamplingParams
@@ -42,6 +46,10 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopped = False
         self.error: BaseException | None = None
+        cfg = engine.config
+        self.info = EngineInfo(cfg.model, cfg.served_model_name, engine.max_model_len,
+                               engine.model.config.vocab_size,
+                               cfg.scheduler.max_waiting_requests)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -92,6 +100,12 @@ class AsyncEngine:
         limit = self.engine.config.scheduler.max_waiting_requests
         waiting_now = self._num_pending - len(self.engine.scheduler.running)
         return max(0, limit - waiting_now)
+
+    def metrics_text(self) -> bytes:
+        """The engine's Prometheus exposition."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.engine.metrics.registry)
 
     async def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block (AllBlocksCleared); False while requests hold blocks."""

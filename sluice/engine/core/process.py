@@ -1,0 +1,205 @@
+"""The engine core process: scheduler and model in one loop, fed and drained over ZMQ.
+
+The loop, each turn:
+  1. take every queued command (add, abort, reset) without blocking when requests are
+     unfinished, else block up to the next metrics push;
+  2. if any request is unfinished, run one engine step and send all its outputs in one
+     message, with the running count the API process sizes its waiting room from;
+  3. push the Prometheus exposition when something changed and METRICS_INTERVAL_S has
+     passed since the last push, or with the outputs of a step that finished a request,
+     so a scrape in the API process never waits for a step (a prefill step takes seconds
+     on CPU; gateways scrape with a 0.5 s timeout). Rendering it costs ~1.5 ms.
+KV events are published from this process, right after the step that made them.
+The process ends on Shutdown, when its parent dies (PR_SET_PDEATHSIG), or on a crash,
+which it reports as Dead before exiting.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from sluice.engine.config import EngineConfig
+from sluice.engine.core.messages import (
+    Abort,
+    Added,
+    AddRequest,
+    Dead,
+    EngineInfo,
+    Metrics,
+    Outputs,
+    Ready,
+    Reply,
+    ResetPrefixCache,
+    Shutdown,
+    command_decoder,
+    encoder,
+)
+
+log = logging.getLogger("sluice.engine.core")
+
+METRICS_INTERVAL_S = 0.1
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class KVEventsSpec:
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str
+    curve_dir: str | None
+
+
+@dataclass(frozen=True)
+class CoreSpec:
+    """Everything the core process is started with (pickled once by multiprocessing)."""
+
+    config: EngineConfig
+    tokenizer_path: str | None
+    num_threads: int
+    kv_events: KVEventsSpec | None
+    input_address: str  # the API process binds both; the core connects
+    output_address: str
+    log_level: str = "INFO"
+
+
+def run_engine_core(spec: CoreSpec) -> None:
+    """Entry point of the core process."""
+    _die_with_parent()
+    logging.basicConfig(level=spec.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ctx = zmq.Context()
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.LINGER, 2000)
+    out.connect(spec.output_address)
+    inp = ctx.socket(zmq.PULL)
+    inp.connect(spec.input_address)
+    core = None
+    try:
+        core = EngineCore(spec)
+        out.send(encoder.encode(Ready(core.info)))
+        core.run(inp, out)
+    except BaseException as exc:  # reported to the API process, which fails its streams
+        if not isinstance(exc, KeyboardInterrupt):
+            log.exception("engine core crashed")
+        out.send(encoder.encode(Dead(repr(exc))))
+        raise SystemExit(1) from exc
+    finally:
+        if core is not None:
+            core.close()
+        inp.close(linger=0)
+        out.close()
+        ctx.term()
+
+
+class EngineCore:
+    """Owns the LLMEngine and the KV-event publisher; used only by the core's one thread."""
+
+    def __init__(self, spec: CoreSpec):
+        import torch
+
+        from sluice.engine.llm_engine import LLMEngine
+        from sluice.tokenizer import Tokenizer
+
+        torch.set_num_threads(spec.num_threads)
+        tokenizer = Tokenizer.from_path(spec.tokenizer_path) if spec.tokenizer_path else None
+        self.publisher = _publisher(spec.kv_events) if spec.kv_events else None
+        self.llm = LLMEngine(spec.config, tokenizer, record_kv_events=self.publisher is not None)
+        cfg = spec.config
+        self.info = EngineInfo(cfg.model, cfg.served_model_name, self.llm.max_model_len,
+                               self.llm.model.config.vocab_size,
+                               cfg.scheduler.max_waiting_requests)
+        self._changed = True
+        self._last_metrics = 0.0
+
+    def run(self, inp: zmq.Socket, out: zmq.Socket) -> None:
+        parent = os.getppid()
+        while True:
+            busy = self.llm.has_unfinished()
+            if inp.poll(0 if busy else self._idle_wait_ms()):
+                for cmd in _drain(inp):
+                    if isinstance(cmd, Shutdown):
+                        return
+                    self._apply(cmd, out)
+            elif not busy and os.getppid() != parent:
+                return  # orphaned where PR_SET_PDEATHSIG is unavailable
+            if self.llm.has_unfinished():
+                outputs = self.llm.step()
+                self._changed = True
+                if self.publisher is not None:
+                    self.publisher.publish(self.llm.kv.take_events())
+                metrics = self._metrics() if any(o.finished for o in outputs) else None
+                out.send(encoder.encode(Outputs(outputs, len(self.llm.scheduler.running),
+                                                metrics)))
+            if self._changed and time.monotonic() - self._last_metrics >= METRICS_INTERVAL_S:
+                out.send(encoder.encode(Metrics(self._metrics())))
+
+    def _apply(self, cmd, out: zmq.Socket) -> None:
+        from sluice.engine.llm_engine import PromptTooLongError
+
+        self._changed = True
+        if isinstance(cmd, AddRequest):
+            try:
+                self.llm.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
+                                     cmd.cache_salt, cmd.arrival_time)
+            except ValueError as exc:
+                out.send(encoder.encode(Added(cmd.request_id, str(exc),
+                                              isinstance(exc, PromptTooLongError))))
+            else:
+                out.send(encoder.encode(Added(cmd.request_id)))
+        elif isinstance(cmd, Abort):
+            for rid in cmd.request_ids:
+                self.llm.abort_request(rid)
+        elif isinstance(cmd, ResetPrefixCache):
+            cleared = self.llm.kv.reset_prefix_cache()
+            if self.publisher is not None:  # AllBlocksCleared now, not after the next step
+                self.publisher.publish(self.llm.kv.take_events())
+            out.send(encoder.encode(Reply(cmd.call_id, cleared)))
+
+    def _idle_wait_ms(self) -> int:
+        if not self._changed:
+            return 1000
+        due = self._last_metrics + METRICS_INTERVAL_S - time.monotonic()
+        return max(0, int(due * 1000))
+
+    def _metrics(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        self._last_metrics, self._changed = time.monotonic(), False
+        return generate_latest(self.llm.metrics.registry)
+
+    def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+
+
+def _drain(sock: zmq.Socket):
+    while True:
+        try:
+            msg = sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        yield command_decoder.decode(msg)
+
+
+def _publisher(spec: KVEventsSpec):
+    from sluice.engine.kv_publisher import KVEventPublisher
+    from sluice.zmq_curve import ZmqSecurity
+
+    security = ZmqSecurity(spec.curve_dir) if spec.curve_dir else None
+    return KVEventPublisher(spec.endpoint, spec.replay_endpoint, spec.topic, security=security)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this process when the API process dies, even by SIGKILL."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
