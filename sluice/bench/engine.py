@@ -3,7 +3,9 @@
 Throughput: N sequences with random prompt and output lengths uniform in
 [min-len, max-len] (seed-fixed, ignore_eos), all submitted at once; prints
 output and total tokens/s. Latency: one batch of fixed prompt/output lengths;
-TTFT is the prefill step, TPOT the mean decode step after it.
+TTFT is the prefill step, TPOT the mean decode step after it. `--compare vllm`
+runs the throughput workload, or a serving workload (`--mode serving`), on vLLM
+first (engine_compare.py).
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ import platform
 import random
 import time
 
+from sluice.bench.engine_compare import add_arguments as add_compare_arguments
 from sluice.engine.cli import add_arguments as add_engine_arguments
 from sluice.engine.cli import engine_config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
-    p.add_argument("--mode", choices=["throughput", "latency"], default="throughput")
+    p.add_argument("--mode", choices=["throughput", "latency", "serving"], default="throughput",
+                   help="serving: with --compare vllm, streaming requests to both servers")
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--min-len", type=int, default=100)
     p.add_argument("--max-len", type=int, default=1024)
@@ -31,9 +35,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bytes/s the bandwidth fraction is taken of (H100 80GB copy: 2.94e12)")
     p.add_argument("--peak-flops", type=float, default=754e12,
                    help="FLOP/s MFU is taken of (H100 bf16 GEMM: 754e12)")
-    p.add_argument("--compare", choices=["hf"], default=None,
-                   help="latency mode: also run transformers generate on the same weights")
+    p.add_argument("--compare", choices=["hf", "vllm"], default=None,
+                   help="hf (latency mode): also run transformers generate on the same "
+                        "weights; vllm (throughput or serving mode): run vLLM first")
     p.add_argument("--output-json", default=None)
+    add_compare_arguments(p)
 
 
 def workload(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
@@ -43,12 +49,15 @@ def workload(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[tuple[list
             for _ in range(n)]
 
 
+def _requests(args, vocab: int, max_model_len: int) -> list[tuple[list[int], int]]:
+    reqs = workload(args.num_seqs, args.min_len, args.max_len, vocab, args.seed)
+    return [(p[: max_model_len - o], o) for p, o in reqs]
+
+
 def run_throughput(llm, args) -> dict:
     from sluice.engine.sampling_params import SamplingParams
 
-    reqs = workload(args.num_seqs, args.min_len, args.max_len, llm.model.config.vocab_size,
-                    args.seed)
-    reqs = [(p[: llm.max_model_len - o], o) for p, o in reqs]
+    reqs = _requests(args, llm.model.config.vocab_size, llm.max_model_len)
     params = [SamplingParams(max_tokens=o, temperature=0.6, ignore_eos=True, seed=i)
               for i, (_, o) in enumerate(reqs)]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # warm-up
@@ -122,6 +131,20 @@ def main(args: argparse.Namespace) -> int:
     from sluice.engine.llm_engine import LLMEngine
 
     config = engine_config(args)
+    if args.mode == "serving" and args.compare != "vllm":
+        raise SystemExit("--mode serving measures Sluice against vLLM: add --compare vllm")
+    if args.compare == "vllm" and args.mode == "latency":
+        raise SystemExit("--compare vllm: use --mode throughput or --mode serving")
+    vllm_result = None
+    if args.compare == "vllm":
+        from sluice.bench import engine_compare
+        from sluice.bench.engine_compare_procs import sigterm_exits
+
+        with sigterm_exits():  # the vLLM processes are stopped on SIGTERM too
+            if args.mode == "serving":
+                return engine_compare.main_serving(config, args)
+            vllm_result = engine_compare.run_vllm_offline(config, args, _requests(
+                args, engine_compare.vocab_size(config), engine_compare.max_model_len(config)))
     if args.num_threads:
         import torch
 
@@ -138,6 +161,10 @@ def main(args: argparse.Namespace) -> int:
         result.update({f"hf_{k}": v for k, v in hf_result.items()})
         result["ttft_ratio_ours_over_hf"] = result["ttft_ms"] / hf_result["ttft_ms"]
         result["tpot_ratio_ours_over_hf"] = result["tpot_ms"] / hf_result["tpot_ms"]
+    if vllm_result is not None:
+        from sluice.bench.engine_compare import offline_comparison
+
+        result.update(offline_comparison(result, vllm_result))
     result.update(mode=args.mode, model=config.model, dtype=str(llm.dtype),
                   device=str(llm.device), machine=platform.processor() or platform.machine(),
                   date=time.strftime("%Y-%m-%d"))

@@ -41,8 +41,8 @@ def hf_latency(model, input_len: int, output_len: int, batch_size: int, seed: in
     device = next(model.parameters()).device
     ids = torch.tensor([[rng.randrange(vocab) for _ in range(input_len)]
                         for _ in range(batch_size)], device=device)
-    kwargs = dict(do_sample=False, cache_implementation="static", pad_token_id=0,
-                  eos_token_id=None)
+    kwargs = {"do_sample": False, "cache_implementation": "static", "pad_token_id": 0,
+                  "eos_token_id": None}
 
     def timed(n: int) -> float:
         _sync(device)
