@@ -67,7 +67,7 @@ helm upgrade --install sluice charts/sluice --namespace "$NS" --create-namespace
   --set envoy.image.repository="${ENVOY_IMAGE%:*}" --set envoy.image.tag="${ENVOY_IMAGE##*:}" \
   --set operator.engineImage="$REGISTRY/sluice-engine:$TAG" \
   --set operator.replicas=1 --set picker.replicas=1 --set envoy.replicas=1 \
-  --set gateway.watchNamespace="$POOL_NS" ${gie_flags[@]+"${gie_flags[@]}"} \
+  --set "watchNamespaces={$POOL_NS}" ${gie_flags[@]+"${gie_flags[@]}"} \
   --wait --timeout 5m
 kubectl rollout status -n "$NS" deployment/sluice-picker --timeout=2m
 kubectl rollout status -n "$NS" deployment/sluice-gateway --timeout=2m

@@ -13,6 +13,9 @@ admit only clients whose public key is `client.key` (`authenticator`: a ZAP
 handler on the engine's context). Pickers (`as_client`) take `client.key_secret`
 and the engines' `server.key`. Without the folder the sockets stay plain, which is how vLLM pools
 are reached (behind a NetworkPolicy). The secret halves never leave the folder.
+
+On Kubernetes each side gets only its own files (ENGINE_FILES, PICKER_FILES): an engine
+holds no client secret, so a compromised engine cannot read another engine's events.
 A leaf module: pyzmq only.
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from dataclasses import dataclass
 
 import zmq
@@ -28,6 +32,9 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 SERVER, CLIENT = "server", "client"
+# What each side's folder needs: its own key pair and the other side's public key.
+ENGINE_FILES = (f"{SERVER}.key_secret", f"{CLIENT}.key")
+PICKER_FILES = (f"{CLIENT}.key_secret", f"{SERVER}.key")
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,17 @@ def init(folder: str) -> None:
     os.makedirs(folder, exist_ok=True)
     for name in (SERVER, CLIENT):
         zmq.auth.create_certificates(folder, name)
+
+
+def new_keys() -> dict[str, bytes]:
+    """A new server and client key pair: the four files `init` writes, name -> content."""
+    with tempfile.TemporaryDirectory(prefix="sluice-curve-") as folder:
+        init(folder)
+        out = {}
+        for name in ENGINE_FILES + PICKER_FILES:
+            with open(os.path.join(folder, name), "rb") as fh:
+                out[name] = fh.read()
+        return out
 
 
 def main(argv: list[str] | None = None) -> int:

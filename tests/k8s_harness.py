@@ -54,14 +54,17 @@ class FakePurger:
 
 @contextlib.asynccontextmanager
 async def operator(server: kmock.Server, *, sampler: Callable[..., Awaitable[Any]] = _no_load,
-                   purge: Any = None, settings: kopf.OperatorSettings | None = None,
+                   purge: Any = None, index: bool = True,
+                   settings: kopf.OperatorSettings | None = None, login: Any = None,
                    **config: Any):
     """Run the operator in its own thread and event loop (as if in its own process) until
-    the block exits; yields its Runtime."""
+    the block exits; yields its Runtime. `index=False`: no index to clean (no Redis URL, no
+    purger), so no finalizer. `login`: a `credentials.Login` instead of the plain connection."""
     cfg = OperatorConfig(**{"standalone": True, "liveness_endpoint": None,
                             "resync_interval_s": 30.0, "autoscale_interval_s": 30.0, **config})
-    conn = connection(server)
-    rt = build_runtime(cfg, conn, purge=purge or FakePurger(), sampler=sampler)
+    conn = login or connection(server)
+    rt = build_runtime(cfg, conn, purge=(purge or FakePurger()) if index else None,
+                       sampler=sampler)
     stop, ready = threading.Event(), threading.Event()
     if settings is None:
         settings = kopf.OperatorSettings()

@@ -5,7 +5,8 @@ This subclass replaces its object handling with `k8s_store.Store` (resourceVersi
 uid, generation, status/scale subresources, 409 conflicts, label selectors,
 finalizers, garbage collection, watches from a resourceVersion), validates custom
 resources like the CRD schema would (`validators`), renders `Table` responses for
-`kubectl get`, and can inject failures (`fail_next`).
+`kubectl get`, can inject failures (`fail_next`), and authenticates bearer tokens when
+given the ones it accepts (`tokens`), as a token's expiry or rotation would.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class Fault:
     plural: str
     status: int
     count: int
+    message: str | None = None
+    reason: str = "Injected"
 
 
 class ApiServerEmulator(kmock.KubernetesEmulator):
@@ -55,7 +58,10 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         self.printer_columns: dict[str, list[dict[str, Any]]] = {}
         # (user agent, RBAC verb, group, resource[/subresource]) of every resource request
         self.calls: list[tuple[str, str, str, str]] = []
+        self.namespaces: list[str | None] = []  # the namespace of each of those (None: all)
         self.watches: list[tuple[str, str | None]] = []  # (plural, labelSelector) opened
+        self.tokens: set[str] | None = None  # bearer tokens accepted; None: no authentication
+        self.token_log: list[tuple[str, str]] = []  # (user agent, token) of each request
         # Set (and replaced) on every change. A watcher takes the current event before
         # it reads the log, so a change after the read still wakes it. (An
         # asyncio.Condition waited on under wait_for can lose its lock when the
@@ -90,9 +96,11 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             self.store.validators[kind.plural] = validator
         return kind
 
-    def fail_next(self, method: str, plural: str, status: int = 409, count: int = 1) -> None:
-        """The next `count` `method` requests on `plural` fail with `status`."""
-        self.faults.append(Fault(method.upper(), plural, status, count))
+    def fail_next(self, method: str, plural: str, status: int = 409, count: int = 1,
+                  message: str | None = None, reason: str = "Injected") -> None:
+        """The next `count` `method` requests on `plural` fail with `status` (and `reason`
+        and `message`, e.g. what the real API server would say)."""
+        self.faults.append(Fault(method.upper(), plural, status, count, message, reason))
 
     async def _serve_version(self, request: kmock.Request) -> Any:
         """kmock's discovery, minus short names on subresources (as a real API server)."""
@@ -123,6 +131,10 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
 
     # -- HTTP ----------------------------------------------------------------------
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        token = request.headers.get("Authorization", "").removeprefix("Bearer ")
+        self.token_log.append((request.headers.get("User-Agent", ""), token))
+        if self.tokens is not None and token not in self.tokens:
+            raise kmock.KubernetesError(status=401, reason="Unauthorized", message="Unauthorized")
         res = request.resource
         if res is None or not res.plural or res.version is None:
             return await kmock.KubernetesScaffold._handle(self, request)  # discovery
@@ -133,11 +145,13 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         self.calls.append((request.headers.get("User-Agent", ""), _verb(request, method),
                            kind.group, kind.plural + (f"/{request.subresource}"
                                                       if request.subresource else "")))
+        self.namespaces.append(request.namespace)
         for fault in self.faults:
             if fault.count > 0 and fault.method == method and fault.plural == kind.plural:
                 fault.count -= 1
-                raise kmock.KubernetesError(status=fault.status, reason="Injected",
-                                            message=f"injected {fault.status} for {method}")
+                raise kmock.KubernetesError(
+                    status=fault.status, reason=fault.reason,
+                    message=fault.message or f"injected {fault.status} for {method}")
         try:
             return await self._dispatch(request, kind, method)
         except ApiError as e:

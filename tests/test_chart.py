@@ -18,10 +18,10 @@ VERSIONS = ("1.30", "1.37")
 GIE = ["gie.enabled=true", "gie.failureMode=FailOpen"]
 
 NON_DEFAULT = [
-    "operator.watchNamespaces={team-a,team-b}", "operator.replicas=1",
+    "watchNamespaces={team-a}", "operator.replicas=1",
     "operator.logLevel=debug", "redis.enabled=false", "redis.existingSecret=redis-url",
     "picker.autoscaling.enabled=true", "envoy.autoscaling.enabled=true", "picker.pool=llama-8b",
-    "gateway.watchNamespace=team-a", "picker.routing=least_load",
+    "picker.routing=least_load",
     "envoy.service.type=LoadBalancer", "picker.extraArgs={--max-fallbacks=3}",
     "envoy.bootstrapArgs={--num-retries=3}", "picker.tokenizers={llama=/tokenizers/llama}",
     "picker.extraVolumes[0].name=tokenizers", "picker.extraVolumes[0].configMap.name=tok",
@@ -137,7 +137,7 @@ def _by(manifests, kind, suffix):
 
 
 def test_rbac_is_least_privilege(default):
-    operator = _by(default, "ClusterRole", "-operator")
+    operator = _by(default, "Role", "-operator")  # the release namespace's pools only
     resources = {r for rule in operator["rules"] for r in rule["resources"]}
     assert "secrets" not in resources and "*" not in resources
     assert all("*" not in rule["verbs"] for rule in operator["rules"])
@@ -151,8 +151,15 @@ def test_rbac_is_least_privilege(default):
     assert {v for rule in picker["rules"] for v in rule["verbs"]} == {"get", "list", "watch"}
     assert {r for rule in picker["rules"] for r in rule["resources"]} == {"inferencepools", "pods"}
     assert {g for rule in picker["rules"] for g in rule["apiGroups"]} == {"", "sluice.dev"}
-    assert [m for m in default if m["kind"] in ("Role", "ClusterRole")] == [
-        _by(default, "ClusterRole", "-operator"), picker]  # nothing for Envoy
+    # nothing for Envoy; the CURVE keys hook's Roles live only while it runs
+    # (test_chart_kv_events_curve.py)
+    # (the aggregated ClusterRoles for pool authors grant nothing alone: test_chart_rbac.py)
+    assert sorted((m["kind"], m["metadata"]["name"]) for m in default
+                  if m["kind"] in ("Role", "ClusterRole")
+                  and "helm.sh/hook" not in m["metadata"].get("annotations", {})) == [
+        ("ClusterRole", "rel-sluice-inferencepools-edit"),
+        ("ClusterRole", "rel-sluice-inferencepools-view"),
+        ("Role", "rel-sluice-operator"), ("Role", "rel-sluice-picker")]
 
 
 @pytest.mark.parametrize("which", ["default", "custom", "gie"])
@@ -194,7 +201,7 @@ def test_operator_and_picker_are_wired_to_redis_and_namespaces(default, custom):
     op = _by(custom, "Deployment", "-operator")["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e for e in op["env"]}
     assert env["SLUICE_REDIS_URL"]["valueFrom"]["secretKeyRef"]["name"] == "redis-url"
-    assert "--namespace=team-a" in op["args"] and "--namespace=team-b" in op["args"]
+    assert [a for a in op["args"] if a.startswith("--namespace")] == ["--namespace=team-a"]
     picker = _by(custom, "Deployment", "-picker")["spec"]["template"]["spec"]["containers"][0]
     assert "--pool=llama-8b" in picker["args"] and "--discovery=kubernetes" in picker["args"]
     env = {e["name"]: e for e in picker["env"]}
@@ -204,7 +211,7 @@ def test_operator_and_picker_are_wired_to_redis_and_namespaces(default, custom):
     assert _by(custom, "Role", "-picker")["metadata"]["namespace"] == "team-a"
     config = _by(custom, "ConfigMap", "-picker")["data"]
     assert config["SLUICE_ROUTING"] == "least_load"
-    assert config["SLUICE_DISCOVERY_NAMESPACE"] == "team-a"
+    assert config["SLUICE_DISCOVERY_NAMESPACE"] == "team-a"  # the operator's (one key feeds both)
     for name in ("rel-sluice-picker", "rel-sluice-gateway"):  # autoscaled: the HPA owns replicas
         assert "replicas" not in _by(custom, "Deployment", name)["spec"]
         hpa = _by(custom, "HorizontalPodAutoscaler", name)["spec"]["scaleTargetRef"]
@@ -243,7 +250,16 @@ def test_client_keys_are_on_by_default_from_a_generated_secret(default):
 def test_network_policies_keep_engines_redis_and_picker_private(default, gie):
     policies = {d["metadata"]["name"].rsplit("-", 1)[-1]: d["spec"]
                 for d in default if d["kind"] == "NetworkPolicy"}
-    assert set(policies) == {"engines", "redis", "picker"}
+    assert set(policies) == {"engines", "redis", "picker", "gateway", "operator", "keys"}
+    # nothing reaches the operator or the CURVE keys hook (probes come from the node); Envoy's
+    # listener from anywhere unless networkPolicy.clientsFrom says who
+    assert "ingress" not in policies["operator"] and "ingress" not in policies["keys"]
+    assert policies["gateway"]["ingress"] == [{"ports": [{"port": 8080, "protocol": "TCP"}]}]
+    only = render("networkPolicy.clientsFrom[0].namespaceSelector.matchLabels.team=ingress")
+    gateway = next(d["spec"] for d in only if d["kind"] == "NetworkPolicy"
+                   and d["metadata"]["name"].endswith("-gateway"))
+    assert gateway["ingress"][0]["from"] == [
+        {"namespaceSelector": {"matchLabels": {"team": "ingress"}}}]
 
     def components(rule):
         return {peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"]

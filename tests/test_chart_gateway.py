@@ -117,8 +117,8 @@ def test_picker_flags_parse_with_sluice_epp(manifests):
     args = _expand(picker["args"], env)
     assert args[0] == "epp" and not any("$(" in a for a in args), args
     parsed = build_parser(args).parse_args(args)
-    assert parsed.discovery == "kubernetes" and parsed.namespace == env[
-        "SLUICE_DISCOVERY_NAMESPACE"]
+    assert parsed.discovery == "kubernetes" and parsed.namespace == [env[
+        "SLUICE_DISCOVERY_NAMESPACE"]]
     ports = {p["name"]: p["containerPort"] for p in picker["ports"]}
     assert (parsed.grpc_port, parsed.metrics_port) == (ports["grpc"], ports["metrics"]) == (
         9002, 9090)
@@ -158,7 +158,7 @@ def test_gie_mode_points_the_operator_at_the_picker_service():
     picker = _get(manifests, "Service", config.gie.picker_service)
     assert picker["metadata"]["namespace"] == NS and picker["spec"]["type"] == "ClusterIP"
     assert _port(picker, config.gie.picker_port)["name"] == "grpc"
-    rule = next(r for r in _get(manifests, "ClusterRole", "rel-sluice-operator")["rules"]
+    rule = next(r for r in _get(manifests, "Role", "rel-sluice-operator")["rules"]
                 if r["apiGroups"] == ["inference.networking.k8s.io"])
     assert rule["resources"] == ["inferencepools"] and "*" not in rule["verbs"]
     default = _pod(render(), "rel-sluice-operator")["containers"][0]["args"]
@@ -167,7 +167,7 @@ def test_gie_mode_points_the_operator_at_the_picker_service():
 
 @pytest.mark.parametrize("values,message", [
     (["gateway.enabled=false"], "needs gateway.enabled"),
-    (["gateway.watchNamespace=team-a"], "watchNamespace"),
+    (["watchNamespaces={team-a}"], "the release namespace among watchNamespaces"),
 ])
 def test_gie_mode_rejects_values_it_cannot_wire(values, message):
     flags = [f for s in GIE + values for f in ("--set", s)]

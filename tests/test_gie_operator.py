@@ -59,7 +59,8 @@ def test_gie_pool_is_created_repaired_and_garbage_collected():
     async def scenario():
         async with cluster() as (api, server), controllers(api):
             install_gie_crd(api)
-            async with operator(server, gie=GIE, resync_interval_s=0.5):
+            # the pools' namespace only, as the chart runs it by default (its Role, below)
+            async with operator(server, gie=GIE, resync_interval_s=0.5, namespaces=(NS,)):
                 client = kube.KubeClient.from_connection(connection(server))
                 client._http.headers["User-Agent"] = "test-client"
                 await client.create(kube.POOLS, NS, CPU_POOL)
@@ -89,11 +90,11 @@ def test_gie_pool_is_created_repaired_and_garbage_collected():
             if agent.startswith(("kopf/", kube.USER_AGENT))}
     assert {("create", GROUP, "inferencepools"), ("update", GROUP, "inferencepools"),
             ("get", GROUP, "inferencepools")} <= made
-    role = next(m for m in render("gie.enabled=true") if m["kind"] == "ClusterRole"
+    role = next(m for m in render("gie.enabled=true") if m["kind"] == "Role"
                 and m["metadata"]["name"].endswith("-operator"))
     missing = sorted(c for c in made if not _allowed(role["rules"], *c))
-    assert missing == [], f"requests the operator makes that its ClusterRole denies: {missing}"
-    default = next(m for m in render() if m["kind"] == "ClusterRole"
+    assert missing == [], f"requests the operator makes that its Role denies: {missing}"
+    default = next(m for m in render() if m["kind"] == "Role"
                    and m["metadata"]["name"].endswith("-operator"))
     assert not any(GROUP in r["apiGroups"] for r in default["rules"])  # only in GIE mode
 

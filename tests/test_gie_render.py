@@ -12,8 +12,8 @@ import jsonschema
 import pytest
 import yaml
 
+from sluice import labels
 from sluice.cli import build_parser
-from sluice.operator import labels
 from sluice.operator.cli import config_from_args
 from sluice.operator.render import render_pool, spec_hash
 from sluice.operator.render_gie import GieConfig, render_gie_pool

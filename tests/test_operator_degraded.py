@@ -138,3 +138,76 @@ def test_a_spec_the_operator_cannot_render_is_degraded_without_children():
                                  "children after the fix")
                 await client.close()
     run(scenario)
+
+
+def _events(api, reason):
+    return [e.obj for e in api.store.log if e.kind.plural == "events" and e.type == "ADDED"
+            and e.obj["reason"] == reason]
+
+
+def test_a_child_the_api_server_rejects_is_degraded_with_its_message_and_an_event():
+    """A 422 (here a request above its limit, which only the API server checks) on the
+    Deployment's create: the server's message in Degraded and in a Warning Event, the other
+    children applied, and no retry loop: the pool's handler succeeds (kopf records it)."""
+    refused = ('Deployment.apps "smollm2-serve" is invalid: spec.template.spec.containers[0]'
+               '.resources.requests: Invalid value: "2": must be less than or equal to cpu '
+               'limit of 1')
+
+    async def scenario():
+        async with cluster() as (api, server), operator(server), controllers(api):
+            api.fail_next("POST", "deployments", 422, count=100, message=refused,
+                          reason="Invalid")
+            client = kube.KubeClient.from_connection(connection(server))
+            await client.create(kube.POOLS, NS, CPU_POOL)
+            c = await eventually(lambda: _degraded(api, "ChildRejected"), 3, "ChildRejected")
+            assert c["message"] == (f"Deployment {NS}/smollm2-serve not applied: "
+                                    f"422 Invalid: {refused}")
+            event = (await eventually(lambda: _events(api, "ChildRejected"), 3, "an Event"))[0]
+            assert event["type"] == "Warning" and refused in event["message"]
+            assert event["involvedObject"]["name"] == NAME
+            assert api.store.get(api.kind("services"), NS, NAME)  # the others go on
+            assert api.store.get(api.kind("poddisruptionbudgets"), NS, "smollm2-serve")
+            await eventually(lambda: "sluice.dev/last-handled-configuration" in api.store.get(
+                api.kind("inferencepools"), NS, NAME)["metadata"]["annotations"], 3,
+                "the create handler done, not retried")
+            # the cause is fixed (say the quota raised): the next pass converges
+            api.faults.clear()
+            await client.patch(kube.POOLS, NS, NAME, {"metadata": {"labels": {"poke": "1"}}})
+            await eventually(lambda: _condition(api, "Degraded")["status"] == "False", 3,
+                             "Degraded cleared")
+            assert api.store.get(api.kind("deployments"), NS, "smollm2-serve")
+            await client.close()
+    run(scenario)
+
+
+def test_a_deployment_replica_failure_becomes_degraded():
+    """The ReplicaSet controller's refused pod creates (quota, Pod Security) reach the
+    pool's status through the Deployment's ReplicaFailure condition, and leave with it."""
+    failure = {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate",
+               "message": 'pods "smollm2-serve-7d9f8" is forbidden: exceeded quota: compute, '
+                          "requested: requests.cpu=1, used: requests.cpu=4, limited: "
+                          "requests.cpu=4"}
+
+    async def set_conditions(api, conditions):
+        def write(store):
+            dep = store.get(api.kind("deployments"), NS, "smollm2-serve")
+            status = {"observedGeneration": 1, "replicas": 0, "conditions": conditions}
+            store.write(api.kind("deployments"), NS, "smollm2-serve", "status",
+                        {**dep, "status": status}, None)
+        await api.mutate(write)
+
+    async def scenario():
+        async with cluster() as (api, server), operator(server):
+            client = kube.KubeClient.from_connection(connection(server))
+            await client.create(kube.POOLS, NS, CPU_POOL)
+            await eventually(lambda: api.store.get(api.kind("deployments"), NS,
+                                                   "smollm2-serve"), 3, "Deployment")
+            await set_conditions(api, [failure])
+            c = await eventually(lambda: _degraded(api, "ReplicaFailure"), 3, "ReplicaFailure")
+            assert c["message"] == f"Deployment smollm2-serve: FailedCreate: {failure['message']}"
+            await eventually(lambda: _events(api, "ReplicaFailure"), 3, "a Warning Event")
+            await set_conditions(api, [])
+            await eventually(lambda: _condition(api, "Degraded")["status"] == "False", 3,
+                             "Degraded cleared with the condition")
+            await client.close()
+    run(scenario)

@@ -47,9 +47,10 @@ def test_only_the_highest_priority_replica_acts_and_the_other_takes_over():
             await create_peering(api, client)
             async with contextlib.AsyncExitStack() as low_stack:
                 low = await low_stack.enter_async_context(operator(
-                    server, standalone=False, priority=10, settings=_settings()))
+                    server, standalone=False, priority=10, settings=_settings(),
+                    autoscale_interval_s=0.2))
                 async with operator(server, standalone=False, priority=20,
-                                    settings=_settings()) as high:
+                                    settings=_settings(), autoscale_interval_s=0.2) as high:
                     async def both_announced():
                         peers = (await client.get(PEERINGS, None, "sluice")).get("status")
                         return sorted(p["priority"] for p in (peers or {}).values()) == [10, 20]
@@ -59,12 +60,17 @@ def test_only_the_highest_priority_replica_acts_and_the_other_takes_over():
                             break
                         await asyncio.sleep(0.1)
                     assert await both_announced()
+                    # alone at first, the low replica acted; from now on it must not
+                    low_rounds, high_rounds = low.ticker.rounds, high.ticker.rounds
                     await client.create(kube.POOLS, "default", POOL)
                     deployment = lambda: api.store.get(api.kind("deployments"), "default",
                                                        "smollm2-serve")
                     await eventually(deployment, 5, "children from the active replica")
-                    await asyncio.sleep(0.5)
+                    # the periodic work (outside kopf) follows the same rule
+                    await eventually(lambda: high.ticker.rounds >= high_rounds + 3, 5,
+                                     "periodic rounds")
                     assert high.reconciler.passes > 0 and low.reconciler.passes == 0
+                    assert low.ticker.rounds <= low_rounds + 1  # (one begun before the read)
                     peers = (await client.get(PEERINGS, None, "sluice")).get("status") or {}
                     assert sorted(p["priority"] for p in peers.values()) == [10, 20]
                 # the active replica is gone: the other resumes once its peer entry expires
@@ -72,5 +78,6 @@ def test_only_the_highest_priority_replica_acts_and_the_other_takes_over():
                 await eventually(lambda: deployment()["spec"]["replicas"] == 2, 30,
                                  "the standby replica took over")
                 assert low.reconciler.passes > 0
+                await eventually(lambda: low.ticker.rounds > 0, 5, "the standby's periodic work")
             await client.close()
     asyncio.run(asyncio.wait_for(scenario(), 60))

@@ -8,7 +8,7 @@ import pathlib
 import pytest
 import yaml
 
-from sluice.operator import labels
+from sluice import labels
 from sluice.operator.render import RenderConfig, render_pool, spec_hash
 from sluice.operator.spec import PoolSpec, SpecError
 

@@ -18,7 +18,9 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
                    help="static engine: URL[,events=tcp://h:5557][,replay=tcp://h:5558]"
                         "[,model=NAME][,pool=P] (repeatable)")
     p.add_argument("--discovery", choices=("static", "kubernetes"), default="static")
-    p.add_argument("--namespace", default="default", help="kubernetes: namespace to watch")
+    p.add_argument("--namespace", action="append", default=None, metavar="NS[,NS...]",
+                   help="kubernetes: namespaces to watch, the operator's (repeatable, or a "
+                        "comma list; '*' = every namespace); default: default")
     p.add_argument("--pool", default=None, help="kubernetes: only this InferencePool")
     p.add_argument("--redis-url", default=os.environ.get("SLUICE_REDIS_URL"),
                    help="shared index + load table (none: this replica's local view only)")
@@ -89,8 +91,9 @@ def routing_parts(args: argparse.Namespace):
                      engine_api_key=args.engine_api_key,
                      kv_events_curve_dir=args.kv_events_curve_dir)
     if args.discovery == "kubernetes":
-        from sluice.gateway.discovery.kubernetes import KubernetesDiscovery
-        discovery = KubernetesDiscovery(args.namespace, args.pool)
+        from sluice.gateway.discovery.kubernetes import KubernetesDiscovery, parse_namespaces
+        discovery = KubernetesDiscovery(parse_namespaces(args.namespace or ["default"]),
+                                        args.pool)
     else:
         if not args.engine:
             raise SystemExit("give at least one --engine (or --discovery kubernetes)")

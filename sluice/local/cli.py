@@ -32,6 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "without --api-key; the stack listens on loopback)")
     p.add_argument("--api-keys-dir", default=None,
                    help="a folder of client keys, one file each, read again when it changes")
+    p.add_argument("--tls-cert", default=None,
+                   help="HTTPS on the gateway: this PEM certificate (chain), with --tls-key; "
+                        "a renewed file is served without a restart")
+    p.add_argument("--tls-key", default=None, help="the certificate's PEM private key")
     p.add_argument("--gateway-args", default="", help="extra flags of the picker (sluice epp)")
     p.add_argument("--log-level", default="info")
 
@@ -40,6 +44,9 @@ def main(args: argparse.Namespace) -> int:
     from sluice.local.stack import LocalStack, StackConfig
     from sluice.local.supervisor import Supervisor
 
+    if bool(args.tls_cert) != bool(args.tls_key):
+        print("sluice up: --tls-cert and --tls-key go together", file=sys.stderr, flush=True)
+        return 2
     cfg = StackConfig(engines=args.engines, model=args.model,
                       served_model_name=args.served_model_name, routing=args.routing,
                       host=args.host, port=args.port, redis_url=args.redis_url,
@@ -47,7 +54,7 @@ def main(args: argparse.Namespace) -> int:
                       gateway_args=(*shlex.split(args.gateway_args),
                                     *(["--api-keys-dir", args.api_keys_dir]
                                       if args.api_keys_dir else [])),
-                      api_key=args.api_key,
+                      api_key=args.api_key, tls_cert=args.tls_cert, tls_key=args.tls_key,
                       log_level=args.log_level)
     stack = LocalStack(cfg)
 

@@ -15,6 +15,7 @@ import os
 import secrets
 import shutil
 import socket
+import ssl
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -69,12 +70,16 @@ class StackConfig:
     gateway_args: tuple[str, ...] = ()  # extra `sluice epp` flags
     # the clients' key: to the picker through its environment, never argv or a repr
     api_key: str | None = field(default=None, repr=False)
+    # HTTPS on the gateway: PEM files, both or neither (Envoy reads them again on renewal)
+    tls_cert: str | None = None
+    tls_key: str | None = None
     log_level: str = "info"
     startup_timeout_s: float = 300.0
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         assert 1 <= self.engines <= 64, self.engines
+        assert bool(self.tls_cert) == bool(self.tls_key), "tls_cert and tls_key go together"
 
 
 class LocalStack:
@@ -92,7 +97,7 @@ class LocalStack:
         self.engine_specs: list[str] = []
         self.picker: Child | None = None
         self.envoy: Child | None = None
-        self.url = f"http://{cfg.host}:{cfg.port}"
+        self.url = f"{'https' if cfg.tls_cert else 'http'}://{cfg.host}:{cfg.port}"
         _handed_out.add(cfg.port)  # the gateway binds it last: no child may take it
 
     def _python(self, *args: str) -> list[str]:
@@ -163,7 +168,7 @@ class LocalStack:
     def start_gateway(self, routing: str) -> None:
         """Start (or restart) the picker with `routing`, then Envoy in front."""
         from sluice.default_model import resolve_model
-        from sluice.gateway.envoy.bootstrap import EnvoyConfig, render_yaml
+        from sluice.gateway.envoy.bootstrap import EnvoyConfig, write_config
         from sluice.gateway.envoy.process import find_envoy
 
         self.stop_gateway()
@@ -186,15 +191,27 @@ class LocalStack:
         cfg = EnvoyConfig(listen_host=self.cfg.host, listen_port=self.cfg.port,
                           admin_port=admin_port, picker_port=grpc_port,
                           endpoints=tuple(u.removeprefix("http://") for u in self.engine_urls),
-                          route_prefixes=("/v1/", "/health"))
+                          route_prefixes=("/v1/", "/health"), **self._tls_files())
         path = os.path.join(self.dir, "envoy.yaml")
-        with open(path, "w") as f:
-            f.write(render_yaml(cfg))
+        write_config(cfg, path)  # (with TLS, the SDS file beside it)
+        # the readiness check trusts exactly the gateway's own certificate
+        verify = trust_only(self.cfg.tls_cert) if self.cfg.tls_cert else True
         self.envoy = Child("envoy", [envoy, "-c", path, "--log-level", "warn",
                                      "--use-dynamic-base-id"], self.out, 7)
         children = [picker, self.envoy]
-        wait_until(lambda: all(c.alive() for c in children) and _has_pods(self.url), 60,
+        wait_until(lambda: all(c.alive() for c in children)
+                   and _has_pods(self.url, verify), 60,
                    "gateway (envoy + picker)", children)
+
+    def _tls_files(self) -> dict[str, str]:
+        """EnvoyConfig's TLS fields: absolute paths of files that exist ({} without TLS)."""
+        if not self.cfg.tls_cert:
+            return {}
+        files = {"tls_cert_file": self.cfg.tls_cert, "tls_key_file": str(self.cfg.tls_key)}
+        for path in files.values():
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"TLS: no file {path}")
+        return {name: os.path.abspath(path) for name, path in files.items()}
 
     def flush_redis(self) -> None:
         import redis
@@ -269,10 +286,22 @@ def _grpc_ready(port: int) -> bool:
     return answer.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def _has_pods(url: str) -> bool:
+def trust_only(cert_file: str) -> ssl.SSLContext:
+    """A client context trusting the certificate(s) in `cert_file` alone, whatever names they
+    carry: `sluice up` checks its own gateway at the address it listens on."""
+    try:
+        ctx = ssl.create_default_context(cafile=cert_file)
+    except ssl.SSLError as err:
+        raise RuntimeError(f"TLS: {cert_file} holds no PEM certificate ({err})") from err
+    ctx.check_hostname = False
+    ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN  # (a CA-issued leaf, trusted as is)
+    return ctx
+
+
+def _has_pods(url: str, verify: ssl.SSLContext | bool = True) -> bool:
     """The gateway answers /health (no key needed) and its picker knows a ready pod."""
     try:
-        r = httpx.get(url + "/health", timeout=1.0)
+        r = httpx.get(url + "/health", timeout=1.0, verify=verify)
         return r.status_code == 200 and bool(r.json()["pods"])
     except (httpx.HTTPError, ValueError, KeyError):
         return False

@@ -8,6 +8,11 @@ makes the API server answer 409; the child is then re-read and compared again, u
 to `MAX_ATTEMPTS` times. A child edited by hand (drift) differs from the desired
 object and is replaced; a child deleted by hand is recreated.
 
+A write the API server refuses for good (422 invalid, 403 quota or admission, 400) is
+not raised: `apply_all` reports it as a `ChildRejected` problem carrying the server's
+message, goes on with the other children, and the pool becomes Degraded with an Event.
+Transient errors (`kube.is_transient`) are raised, for the caller to retry with backoff.
+
 `AppliedMemo` remembers, per child, what the API server returned after our last write
 (uid, spec generation — resourceVersion for kinds without one — and our spec hash). A
 child whose marker still matches was not edited since, so it is left alone even if the
@@ -20,7 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sluice.operator import kube, labels
+from sluice import labels
+from sluice.operator import kube
 from sluice.operator.render import Manifest
 
 MAX_ATTEMPTS = 5
@@ -145,6 +151,14 @@ async def prune(client: kube.KubeClient, namespace: str, pool: str, owner_uid: s
     return deleted
 
 
+def rejection(manifest: Manifest, error: kube.ApiError, verb: str) -> tuple[str, str]:
+    """The Degraded problem for a child the API server refused (its message verbatim)."""
+    meta = manifest["metadata"]
+    message = (f"{manifest['kind']} {meta['namespace']}/{meta['name']} not {verb}: "
+               f"{error.status} {error.reason}: {error.message}")
+    return ("ChildRejected", message)
+
+
 def _kind_of(ref: kube.ResourceRef) -> str:
     return next(kind for kind, r in kube.BY_KIND.items() if r == ref)
 
@@ -161,6 +175,11 @@ async def apply_all(client: kube.KubeClient, desired: list[Manifest], owner_uid:
         except NotOwned as e:
             report.problems.append(("ChildNotOwned", str(e)))
             continue
+        except kube.ApiError as e:
+            if kube.is_transient(e):
+                raise
+            report.problems.append(rejection(manifest, e, "applied"))
+            continue
         name = f"{manifest['kind']}/{manifest['metadata']['name']}"
         getattr(report, action).append(name)
         report.live[name] = live
@@ -168,5 +187,12 @@ async def apply_all(client: kube.KubeClient, desired: list[Manifest], owner_uid:
         ns = desired[0]["metadata"]["namespace"]
         pool = desired[0]["metadata"]["labels"][labels.POOL]
         keep = {(m["kind"], m["metadata"]["name"]) for m in desired}
-        report.deleted = await prune(client, ns, pool, owner_uid, keep)
+        try:
+            report.deleted = await prune(client, ns, pool, owner_uid, keep)
+        except kube.ApiError as e:
+            if kube.is_transient(e):
+                raise
+            message = (f"a child no longer desired was not deleted: "
+                       f"{e.status} {e.reason}: {e.message}")
+            report.problems.append(("PruneRejected", message))
     return report

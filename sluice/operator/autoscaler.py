@@ -1,4 +1,4 @@
-"""The autoscaler loop body: one `tick(body)` per pool per timer interval.
+"""The autoscaler loop body: one `tick(body)` per pool per round of the periodic loop.
 
 For each role with autoscaling enabled: sample the engines' load, `decide`, and when
 the replica count changes, write it through the pool's scale subresource (plain

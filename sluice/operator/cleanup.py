@@ -3,7 +3,8 @@
 `IndexPurger(namespace, pool, pods) -> int` is injectable (tests pass a fake). The
 default uses `sluice.index_keys` (the gateway's key layout): every pod of the pool
 (pod ids are `ip:8000`, from the pool's last status, its live pods and the pool's
-pod set in Redis) is purged with `purge_pods`, then the pool set is deleted.
+pod set in Redis) is purged with `purge_pods`, then the pool set is deleted. Without
+a Redis URL there is no purger, and so no finalizer on the pools (handlers.py).
 """
 
 from __future__ import annotations
@@ -14,12 +15,9 @@ from collections.abc import Awaitable, Callable
 
 log = logging.getLogger("sluice.operator")
 
+FINALIZER = "sluice.dev/index-cleanup"
+
 IndexPurger = Callable[[str, str, list[str]], Awaitable[int]]
-
-
-async def no_index(namespace: str, pool: str, pods: list[str]) -> int:
-    log.info("no --redis-url: skipping index cleanup of %s/%s", namespace, pool)
-    return 0
 
 
 def redis_purger(url: str) -> IndexPurger:

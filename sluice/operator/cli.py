@@ -31,6 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=os.environ.get("SLUICE_ENGINE_API_KEY_SECRET"),
                         help="the Secret (in each pool's namespace) whose KEY (default 'key') "
                              "engines take as their API key ($VLLM_API_KEY)")
+    parser.add_argument("--kv-events-curve-secret", metavar="SECRET",
+                        default=os.environ.get("SLUICE_KV_EVENTS_CURVE_SECRET"),
+                        help="the Secret (in each pool's namespace) with the sluice engines' "
+                             "CURVE keys for their KV-event sockets (python -m "
+                             "sluice.zmq_curve_secrets); vLLM pools stay plain")
     parser.add_argument("--redis-url", default=os.environ.get("SLUICE_REDIS_URL"),
                         help="the gateway's Redis, for the index finalizer "
                              "(env SLUICE_REDIS_URL; may hold a password)")
@@ -66,7 +71,8 @@ def gie_from_args(args: argparse.Namespace) -> GieConfig | None:
 def _render_config(args: argparse.Namespace) -> RenderConfig:
     secret, _, key = (args.engine_api_key_secret or "").partition(":")
     return RenderConfig(engine_image=args.engine_image, vllm_image=args.vllm_image,
-                        engine_key_secret=secret or None, engine_key_key=key or "key")
+                        engine_key_secret=secret or None, engine_key_key=key or "key",
+                        kv_events_curve_secret=args.kv_events_curve_secret or None)
 
 
 def config_from_args(args: argparse.Namespace) -> OperatorConfig:
@@ -82,16 +88,19 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
 
 
 def login() -> Any:
-    """ServiceAccount in a pod, else the kubeconfig (kopf's own helpers)."""
+    """ServiceAccount in a pod (its token re-read as it rotates), else the kubeconfig."""
     import kopf
 
+    from sluice.operator.credentials import Login, service_account_login
+
     settings = kopf.OperatorSettings()
-    info = kopf.login_with_service_account(settings=settings)
-    if info is None:
-        info = kopf.login_with_kubeconfig(settings=settings)
+    found = service_account_login(settings)
+    if found is not None:
+        return found
+    info = kopf.login_with_kubeconfig(settings=settings)
     if info is None:
         raise SystemExit("sluice operator: no ServiceAccount token and no kubeconfig found")
-    return info
+    return Login(info)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from sluice.operator.render import RenderConfig
 from sluice.operator.render_gie import GieConfig
+from sluice.operator.retry import Backoff
 
 
 @dataclass(frozen=True)
@@ -18,9 +19,11 @@ class OperatorConfig:
     # make *all* of them pause, so every replica must have its own (random by default).
     priority: int = 0
     resync_interval_s: float = 60.0  # safety-net reconcile per pool
+    # retries of failed passes: 0.5 s doubling, 30 s at most
+    backoff: Backoff = field(default_factory=Backoff)
     autoscale_interval_s: float = 15.0
     metrics_timeout_s: float = 2.0
-    redis_url: str | None = None  # the gateway's Redis, for the index finalizer
+    redis_url: str | None = None  # the gateway's Redis; None: no index finalizer
     liveness_endpoint: str | None = None  # e.g. http://0.0.0.0:8080/healthz
     gie: GieConfig | None = None  # GIE mode (a GIE InferencePool per pool); None: off
 

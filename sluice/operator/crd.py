@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from sluice.operator import crd_schema
+from sluice.operator import crd_schema, crd_status
 
 GROUP = "sluice.dev"
 VERSION = "v1alpha1"
@@ -51,13 +51,16 @@ def render_crd() -> dict[str, Any]:
     """The CRD manifest as a plain dict (pure, deterministic)."""
     root = {
         "type": "object",
+        "description": "A model served by a set of inference engines (Deployments of the "
+                       "sluice engine or vLLM) that the gateway routes to by KV-cache state.",
         "required": ["spec"],
         "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
-            "metadata": {"type": "object"},
+            "apiVersion": {"type": "string", "description": "sluice.dev/v1alpha1"},
+            "kind": {"type": "string", "description": "InferencePool"},
+            "metadata": {"type": "object", "description": "Standard object metadata; the "
+                         f"name is at most {MAX_NAME_LENGTH} characters."},
             "spec": crd_schema.spec_schema(),
-            "status": crd_schema.status_schema(),
+            "status": crd_status.status_schema(),
         },
         "x-kubernetes-validations": [{
             "rule": f"self.metadata.name.size() <= {MAX_NAME_LENGTH}",

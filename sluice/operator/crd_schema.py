@@ -1,10 +1,12 @@
-"""OpenAPI v3 schema of the InferencePool spec and status (structural, with defaults).
+"""OpenAPI v3 schema of the InferencePool spec (structural, with defaults); the status is
+in `crd_status.py`.
 
-The schema is the first line of validation: types, ranges, enums and defaults live
-here; cross-field rules the type system cannot express are CEL rules
-(`x-kubernetes-validations`) whose messages are what `kubectl apply` shows.
-`sluice.operator.spec` reads the same fields and applies the same defaults, so a
-spec that passed the API server always parses.
+The schema is the first line of validation: types, ranges, enums, patterns and defaults
+live here; cross-field rules the type system cannot express are CEL rules
+(`x-kubernetes-validations`) whose messages are what `kubectl apply` shows. Every field
+has a description, so `kubectl explain spool.spec` documents the resource (a test walks
+the schema). `sluice.operator.spec` reads the same fields and applies the same defaults,
+so a spec that passed the API server always parses.
 """
 
 from __future__ import annotations
@@ -16,12 +18,24 @@ Schema = dict[str, Any]
 ENGINE_KINDS = ("sluice", "vllm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
+# A Kubernetes resource.Quantity, not negative: digits with an optional fraction, then a
+# binary (Ki … Ei), decimal (n u m k M G T P E) or exponent (e3) suffix. What the API server
+# would otherwise refuse only later, on the Deployment, with the pool left half applied.
+QUANTITY_PATTERN = r"^\+?([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
+PERCENT_PATTERN = r"^[0-9]+%$"
 
-def _obj(properties: Schema, required: list[str] | None = None, **extra: Any) -> Schema:
-    schema: Schema = {"type": "object", "properties": properties, **extra}
+
+def obj(description: str, properties: Schema, required: list[str] | None = None,
+         **extra: Any) -> Schema:
+    schema: Schema = {"type": "object", "description": description, "properties": properties,
+                      **extra}
     if required:
         schema["required"] = required
     return schema
+
+
+def prop(type_: str, description: str, **extra: Any) -> Schema:
+    return {"type": type_, "description": description, **extra}
 
 
 def _free_object(description: str) -> Schema:
@@ -30,161 +44,219 @@ def _free_object(description: str) -> Schema:
             "description": description}
 
 
-def _quantity_map() -> Schema:
-    return {"type": "object",
-            "additionalProperties": {"x-kubernetes-int-or-string": True,
-                                     "anyOf": [{"type": "integer"}, {"type": "string"}]}}
+def cel(rule: str, message: str) -> Schema:
+    """A CEL rule and the message `kubectl apply` shows when it fails."""
+    return {"rule": rule, "message": message}
+
+
+def _rules(*rules: Schema) -> Schema:
+    return {"x-kubernetes-validations": list(rules)}
+
+
+def quantity(description: str, **extra: Any) -> Schema:
+    return {"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "pattern": QUANTITY_PATTERN, "minimum": 0, "description": description, **extra}
+
+
+def int_or_percent(description: str, **extra: Any) -> Schema:
+    return {"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "pattern": PERCENT_PATTERN, "minimum": 0, "description": description, **extra}
+
+
+def _quantity_map(what: str) -> Schema:
+    return {"type": "object", "description": f"{what} per resource name (cpu, memory, "
+            "nvidia.com/gpu, ...), each a Kubernetes quantity (500m, 4, 16Gi).",
+            "additionalProperties": quantity("A Kubernetes quantity.")}
 
 
 def resources_schema() -> Schema:
-    return _obj({"requests": _quantity_map(), "limits": _quantity_map()},
-                description="Container resources; GPUs as `nvidia.com/gpu` (limits).")
+    return obj("Container resources of each engine. GPUs as `nvidia.com/gpu` limits (the "
+                "request is set equal to the limit).",
+                {"requests": _quantity_map("Requests"), "limits": _quantity_map("Limits")})
 
 
 def autoscaling_schema() -> Schema:
-    return _obj(
+    return obj(
+        "KV-cache and queue driven autoscaling of the replicas by the operator.",
         {
-            "enabled": {"type": "boolean", "default": False},
-            "minReplicas": {"type": "integer", "minimum": 1, "default": 1},
-            "maxReplicas": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 4},
-            "targetKVCacheUsage": {"type": "number", "exclusiveMinimum": True, "minimum": 0,
-                                   "maximum": 1, "default": 0.7,
-                                   "description": "Mean vllm:kv_cache_usage_perc to hold."},
-            "targetQueueDepth": {"type": "integer", "minimum": 1, "default": 8,
-                                 "description": "Mean waiting requests per replica to hold."},
-            "scaleUpStabilizationSeconds": {"type": "integer", "minimum": 0, "maximum": 3600,
-                                            "default": 60},
-            "scaleDownStabilizationSeconds": {"type": "integer", "minimum": 0,
-                                              "maximum": 3600, "default": 300},
+            "enabled": prop("boolean", "Scale the replicas between minReplicas and "
+                              "maxReplicas.", default=False),
+            "minReplicas": prop("integer", "Fewest replicas.", minimum=1, default=1),
+            "maxReplicas": prop("integer", "Most replicas.", minimum=1, maximum=1000,
+                                  default=4),
+            "targetKVCacheUsage": prop("number", "Mean vllm:kv_cache_usage_perc (0-1] of "
+                                         "the ready engines to hold.", exclusiveMinimum=True,
+                                         minimum=0, maximum=1, default=0.7),
+            "targetQueueDepth": prop("integer", "Mean waiting requests per engine to hold.",
+                                       minimum=1, default=8),
+            "scaleUpStabilizationSeconds": prop(
+                "integer", "A scale-up goes to the lowest recommendation of this window.",
+                minimum=0, maximum=3600, default=60),
+            "scaleDownStabilizationSeconds": prop(
+                "integer", "A scale-down goes to the highest recommendation of this window.",
+                minimum=0, maximum=3600, default=300),
         },
         default={},
-        **{"x-kubernetes-validations": [{
-            "rule": "self.minReplicas <= self.maxReplicas",
-            "message": "autoscaling.minReplicas must be <= autoscaling.maxReplicas"}]},
+        **_rules(cel("self.minReplicas <= self.maxReplicas",
+                     "autoscaling.minReplicas must be <= autoscaling.maxReplicas")),
     )
 
 
-def role_schema() -> Schema:
-    return _obj({
-        "replicas": {"type": "integer", "minimum": 0, "maximum": 1000, "default": 1},
+def role_schema(role: str) -> Schema:
+    return obj(f"The {role} engines: one Deployment `<pool>-{role}`.", {
+        "replicas": prop("integer", f"Number of {role} engines.", minimum=0, maximum=1000,
+                           default=1),
         "resources": resources_schema(),
         "autoscaling": autoscaling_schema(),
     })
 
 
 def model_schema() -> Schema:
-    secret_ref = _obj({"name": {"type": "string", "minLength": 1},
-                       "key": {"type": "string", "default": "token"}}, required=["name"])
-    source = _obj(
+    secret_ref = obj("A Secret in the pool's namespace holding a Hugging Face token.", {
+        "name": prop("string", "The Secret's name.", minLength=1),
+        "key": prop("string", "The key of the token in the Secret.", default="token")},
+        required=["name"])
+    source = obj(
+        "Where the weights come from; exactly one of huggingFace, pvc, image. Absent: the "
+        "sluice engine's built-in default model.",
         {
-            "huggingFace": _obj({"repo": {"type": "string", "minLength": 1,
-                                          "pattern": r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$"},
-                                 "revision": {"type": "string"},
-                                 "tokenSecretRef": secret_ref}, required=["repo"]),
-            "pvc": _obj({"claimName": {"type": "string", "minLength": 1},
-                         "path": {"type": "string", "default": ""}}, required=["claimName"]),
-            "image": _obj({"path": {"type": "string", "minLength": 1}}, required=["path"]),
+            "huggingFace": obj("Download from the Hugging Face Hub into the model cache.", {
+                "repo": prop("string", "Repository id, e.g. Qwen/Qwen3-0.6B.", minLength=1,
+                               pattern=r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$"),
+                "revision": prop("string", "Branch, tag or commit; default: main."),
+                "tokenSecretRef": secret_ref}, required=["repo"]),
+            "pvc": obj("Weights already on a PersistentVolumeClaim (mounted read-only).", {
+                "claimName": prop("string", "The claim, in the pool's namespace.",
+                                    minLength=1),
+                "path": prop("string", "The model's folder (or .gguf file) on the claim.",
+                               default="")}, required=["claimName"]),
+            "image": obj("Weights baked into the engine image.", {
+                "path": prop("string", "The model's path inside the image.", minLength=1)},
+                required=["path"]),
         },
-        description="Where the weights come from; exactly one of huggingFace, pvc, image. "
-                    "Absent: the sluice engine's built-in default model.",
-        **{"x-kubernetes-validations": [{
-            "rule": "[has(self.huggingFace), has(self.pvc), has(self.image)]"
-                    ".filter(x, x).size() == 1",
-            "message": "model.source must set exactly one of huggingFace, pvc, image"}]},
+        **_rules(cel("[has(self.huggingFace), has(self.pvc), has(self.image)]"
+                     ".filter(x, x).size() == 1",
+                     "model.source must set exactly one of huggingFace, pvc, image")),
     )
-    return _obj({
-        "name": {"type": "string", "minLength": 1, "maxLength": 253,
-                 "description": "Served model name (what clients send as `model`)."},
+    return obj("The model the pool serves.", {
+        "name": prop("string", "Served model name: what clients send as `model` (also the "
+                       "pods' annotation sluice.dev/model).", minLength=1, maxLength=253),
         "source": source,
     }, required=["name"])
 
 
 def engine_schema() -> Schema:
-    env_var = _obj({"name": {"type": "string", "minLength": 1}, "value": {"type": "string"},
-                    "valueFrom": _free_object("EnvVarSource")}, required=["name"])
-    return _obj(
+    env_var = obj("An environment variable of the engine container.", {
+        "name": prop("string", "Variable name.", minLength=1),
+        "value": prop("string", "Literal value (not for tokens: use valueFrom)."),
+        "valueFrom": _free_object("EnvVarSource: from a Secret, ConfigMap or field.")},
+        required=["name"])
+    return obj(
+        "The inference engine of every replica.",
         {
-            "kind": {"type": "string", "enum": list(ENGINE_KINDS), "default": "sluice"},
-            "image": {"type": "string",
-                      "description": "Engine image; the operator's default for the kind."},
-            "blockSize": {"type": "integer", "enum": [8, 16, 32, 64, 128], "default": 16},
-            "maxNumSeqs": {"type": "integer", "minimum": 1, "maximum": 4096, "default": 256},
-            "maxNumBatchedTokens": {"type": "integer", "minimum": 16, "default": 2048},
-            "maxModelLen": {"type": "integer", "minimum": 16},
-            "gpuMemoryUtilization": {"type": "number", "exclusiveMinimum": True, "minimum": 0,
-                                     "maximum": 1},
-            "kvCacheMemory": {"type": "string", "pattern": r"^[0-9]+(KiB|MiB|GiB)$",
-                              "description": "CPU KV cache size (sluice engine only)."},
-            "dtype": {"type": "string", "enum": list(DTYPES), "default": "auto"},
-            "prefixCaching": {"type": "boolean", "default": True},
-            "args": {"type": "array", "items": {"type": "string"}},
-            "env": {"type": "array", "items": env_var},
+            "kind": prop("string", "sluice (this project's engine) or vllm.",
+                           enum=list(ENGINE_KINDS), default="sluice"),
+            "image": prop("string", "Engine image; default: the operator's for the kind."),
+            "blockSize": prop("integer", "KV cache block size in tokens.",
+                                enum=[8, 16, 32, 64, 128], default=16),
+            "maxNumSeqs": prop("integer", "Most sequences in one batch.", minimum=1,
+                                 maximum=4096, default=256),
+            "maxNumBatchedTokens": prop("integer", "Most tokens in one scheduler step.",
+                                          minimum=16, default=2048),
+            "maxModelLen": prop("integer", "Longest context; default: the model's.",
+                                  minimum=16),
+            "gpuMemoryUtilization": prop("number", "Fraction (0-1] of GPU memory for the "
+                                           "engine (weights + KV cache).",
+                                           exclusiveMinimum=True, minimum=0, maximum=1),
+            "kvCacheMemory": prop("string", "CPU KV cache size, e.g. 512MiB (sluice engine "
+                                    "only).", pattern=r"^[0-9]+(KiB|MiB|GiB)$"),
+            "dtype": prop("string", "Weights and activations type.", enum=list(DTYPES),
+                            default="auto"),
+            "prefixCaching": prop("boolean", "Reuse the KV cache of shared prefixes.",
+                                    default=True),
+            "args": prop("array", "Extra engine flags, appended as given.",
+                         items=prop("string", "One flag or value.")),
+            "env": prop("array", "Extra environment variables.", items=env_var),
         },
         default={},
-        **{"x-kubernetes-validations": [{
-            "rule": "self.kind == 'sluice' || !has(self.kvCacheMemory)",
-            "message": "engine.kvCacheMemory is only for kind sluice"}]},
+        **_rules(cel("self.kind == 'sluice' || !has(self.kvCacheMemory)",
+                     "engine.kvCacheMemory is only for kind sluice")),
     )
+
+
+def rollout_schema() -> Schema:
+    return obj(
+        "How a spec change replaces running engines (each Deployment's RollingUpdate). The "
+        "default starts a new engine before stopping an old one: one spare GPU needed. "
+        "maxSurge 0, maxUnavailable 1 needs none, at the cost of one engine less meanwhile.",
+        {"maxSurge": int_or_percent("Engines started above the desired count (a number or "
+                                    "a percentage).", default=1),
+         "maxUnavailable": int_or_percent("Engines stopped below the desired count (a "
+                                          "number or a percentage).", default=0)},
+        default={},
+        **_rules(cel("!(string(self.maxSurge) in ['0', '0%'] && "
+                     "string(self.maxUnavailable) in ['0', '0%'])",
+                     "rollout.maxSurge and rollout.maxUnavailable cannot both be 0")))
+
+
+def disruption_schema() -> Schema:
+    return obj(
+        "The PodDisruptionBudget of each role's engines (voluntary evictions: node drains, "
+        "cluster upgrades). Default: at most one engine down at a time.",
+        {"enabled": prop("boolean", "Render the PodDisruptionBudgets.", default=True),
+         "maxUnavailable": int_or_percent("Engines that may be evicted at once (default 1 "
+                                          "when minAvailable is not set)."),
+         "minAvailable": int_or_percent("Engines that must stay (instead of "
+                                        "maxUnavailable).")},
+        default={},
+        **_rules(cel("!(has(self.maxUnavailable) && has(self.minAvailable))",
+                     "podDisruptionBudget: set maxUnavailable or minAvailable, not both")))
 
 
 def spec_schema() -> Schema:
-    name_ref = _obj({"name": {"type": "string", "minLength": 1}}, required=["name"])
-    return _obj(
+    name_ref = obj("A reference by name.", {"name": prop("string", "Name.", minLength=1)},
+                    required=["name"])
+    return obj(
+        "Desired state of an InferencePool: a model served by a set of engine replicas.",
         {
             "model": model_schema(),
             "engine": engine_schema(),
-            "replicas": {"type": "integer", "minimum": 0, "maximum": 1000},
-            "roles": _obj({"prefill": role_schema(), "decode": role_schema()},
-                          required=["prefill", "decode"],
-                          description="Disaggregated pool: prefill and decode replicas."),
+            "replicas": prop("integer", "A plain pool: this many engines in one `serve` "
+                               "Deployment (the scale subresource). Not with roles.",
+                               minimum=0, maximum=1000),
+            "roles": obj("A disaggregated pool: prefill and decode engines, scaled apart. "
+                          "Not with replicas.",
+                          {"prefill": role_schema("prefill"), "decode": role_schema("decode")},
+                          required=["prefill", "decode"]),
             "resources": resources_schema(),
             "autoscaling": autoscaling_schema(),
-            "modelCache": _obj({"sizeLimit": {"type": "string", "default": "20Gi"},
-                                "claimName": {"type": "string"}}, default={}),
-            "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
-            "tolerations": {"type": "array", "items": _free_object("Toleration")},
-            "affinity": _free_object("Affinity"),
-            "priorityClassName": {"type": "string"},
-            "imagePullSecrets": {"type": "array", "items": name_ref},
-            "serviceAccountName": {"type": "string"},
+            "rollout": rollout_schema(),
+            "podDisruptionBudget": disruption_schema(),
+            "modelCache": obj("Where engines keep downloaded weights.", {
+                "sizeLimit": quantity("Size of the emptyDir cache.", default="20Gi"),
+                "claimName": prop("string", "A PersistentVolumeClaim instead of the "
+                                    "emptyDir (shared by the replicas, kept across restarts).")},
+                default={}),
+            "nodeSelector": {"type": "object", "description": "The pods' nodeSelector.",
+                             "additionalProperties": prop("string", "A node label's value.")},
+            "tolerations": prop("array", "The pods' tolerations.",
+                                  items=_free_object("Toleration")),
+            "affinity": _free_object("The pods' affinity."),
+            "priorityClassName": prop("string", "The pods' priorityClassName."),
+            "imagePullSecrets": prop("array", "Secrets for pulling the engine image.",
+                                       items=name_ref),
+            "serviceAccountName": prop("string", "The pods' ServiceAccount (its token is "
+                                         "not mounted: engines never call the API server)."),
         },
         required=["model"],
-        **{"x-kubernetes-validations": [
-            {"rule": "has(self.replicas) != has(self.roles)",
-             "message": "set exactly one of spec.replicas (plain pool) or spec.roles "
-                        "(prefill/decode pool)"},
-            {"rule": "has(self.model.source) || self.engine.kind == 'sluice'",
-             "message": "engine kind vllm needs spec.model.source"},
-            {"rule": "!has(self.roles) || !has(self.autoscaling) || "
-                     "!self.autoscaling.enabled",
-             "message": "a prefill/decode pool autoscales per role "
-                        "(spec.roles.<role>.autoscaling), not with spec.autoscaling"},
-        ]},
+        **_rules(
+            cel("has(self.replicas) != has(self.roles)",
+                "set exactly one of spec.replicas (plain pool) or spec.roles "
+                "(prefill/decode pool)"),
+            cel("has(self.model.source) || self.engine.kind == 'sluice'",
+                "engine kind vllm needs spec.model.source"),
+            cel("!has(self.roles) || !has(self.autoscaling) || !self.autoscaling.enabled",
+                "a prefill/decode pool autoscales per role (spec.roles.<role>.autoscaling), "
+                "not with spec.autoscaling"),
+        ),
     )
-
-
-def status_schema() -> Schema:
-    condition = _obj({
-        "type": {"type": "string"}, "status": {"type": "string"},
-        "reason": {"type": "string"}, "message": {"type": "string"},
-        "observedGeneration": {"type": "integer"},
-        "lastTransitionTime": {"type": "string", "format": "date-time"},
-    }, required=["type", "status"])
-    counts = _obj({"replicas": {"type": "integer"}, "readyReplicas": {"type": "integer"}})
-    endpoint = _obj({"pod": {"type": "string"}, "role": {"type": "string"},
-                     "ip": {"type": "string"}, "url": {"type": "string"},
-                     "kvEvents": {"type": "string"}, "ready": {"type": "boolean"}})
-    return _obj({
-        "observedGeneration": {"type": "integer"},
-        "replicas": {"type": "integer"},
-        "readyReplicas": {"type": "integer"},
-        "selector": {"type": "string"},
-        "roles": {"type": "object", "additionalProperties": counts},
-        "conditions": {"type": "array", "items": condition,
-                       "x-kubernetes-list-type": "map",
-                       "x-kubernetes-list-map-keys": ["type"]},
-        "endpoints": {"type": "array", "items": endpoint},
-        "kvCacheUsage": {"type": "number"},
-        "queueDepth": {"type": "number"},
-        "lastScaleTime": {"type": "string", "format": "date-time"},
-    })

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import posixpath
 
-from sluice.operator.labels import HTTP_PORT, KV_EVENTS_PORT, KV_REPLAY_PORT
+from sluice.labels import HTTP_PORT, KV_EVENTS_PORT, KV_REPLAY_PORT
 from sluice.operator.spec import HuggingFaceSource, ImageSource, PoolSpec, PvcSource
 
 MODEL_CACHE_DIR = "/model-cache"

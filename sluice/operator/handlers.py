@@ -1,25 +1,36 @@
-"""kopf wiring: thin handlers that hand work to the Reconciler, Autoscaler and purger.
+"""kopf wiring: thin handlers that hand work to the Reconciler, the Retrier and the purger.
 
 Triggers of a reconcile pass: the pool is created, updated or resumed (operator
-restart), one of its children or pods changes (drift: edited or deleted by hand,
-Deployment became ready), and a resync timer as a safety net. Deletion runs the
-index finalizer; ownerReferences let the garbage collector remove the children.
+restart), and one of its children or pods changes (drift: edited or deleted by hand,
+Deployment became ready). A failed pool handler is retried by kopf with the same backoff
+(`TemporaryError`); a failed child-event pass by the `Retrier` (kopf does not retry
+event handlers). Autoscaling and the resync are the `Ticker`'s, outside kopf: kopf's
+timers would put a finalizer on every pool.
+
+kopf's finalizer is on a pool only while a deletion handler needs it: the index cleanup,
+registered only when there is an index to clean (`Runtime.purge`). Without one, pools
+carry no finalizer, and kopf removes the one an earlier configuration left, so deleting
+a pool never waits for the operator. ownerReferences let the garbage collector remove
+the children either way.
 """
 
 from __future__ import annotations
 
 import logging
-import random
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import kopf
 
-from sluice.operator import cleanup, crd, kube, labels
+from sluice import labels
+from sluice.operator import cleanup, crd, kube
 from sluice.operator.autoscaler import Autoscaler
 from sluice.operator.config import OperatorConfig
-from sluice.operator.reconciler import Reconciler
+from sluice.operator.credentials import Login
+from sluice.operator.reconciler import EventSink, Reconciler
+from sluice.operator.retry import Retrier
+from sluice.operator.ticker import Ticker
 
 log = logging.getLogger("sluice.operator")
 POOL = (crd.GROUP, crd.VERSION, crd.PLURAL)
@@ -29,24 +40,23 @@ MANAGED = {labels.MANAGED_BY: labels.OPERATOR_NAME}
 PURGE_ATTEMPTS = 5
 
 
-def post_event(body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
-    """EventSink posting through kopf's event queue (batched, non-blocking)."""
-    kopf.event(body, type=type_, reason=reason, message=message[:1024])
-
-
 @dataclass
 class Runtime:
     config: OperatorConfig
-    connection: kopf.ConnectionInfo
+    login: Login
     client: kube.KubeClient
+    events: EventSink
     reconciler: Reconciler
     autoscaler: Autoscaler
-    purge: cleanup.IndexPurger
+    purge: cleanup.IndexPurger | None  # None: no index to clean, so no finalizer
+    retrier: Retrier
+    ticker: Ticker
     stats: dict[str, float] = field(default_factory=dict)  # counters for benchmarks
 
 
 def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
-    settings.persistence.finalizer = labels.FINALIZER
+    # Also the name kopf removes from pools when no deletion handler needs it any more.
+    settings.persistence.finalizer = cleanup.FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=crd.GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=crd.GROUP, key="last-handled-configuration")
@@ -54,6 +64,9 @@ def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
     settings.peering.name = config.peering_name
     settings.peering.standalone = config.standalone
     settings.peering.clusterwide = config.clusterwide
+    # Watching given namespaces needs no cluster-wide list/watch of CRDs and namespaces
+    # (the chart's Roles grant none): serve what exists at start, like a namespaced kopf.
+    settings.scanning.disabled = not config.clusterwide
     # Watch only our own children and engine pods, filtered by the API server (kopf's
     # handler label filters alone would stream every pod of the cluster to the operator).
     for group, version, plural in CHILDREN:
@@ -67,39 +80,36 @@ def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
 def register(registry: kopf.OperatorRegistry, rt: Runtime) -> kopf.OperatorRegistry:
     @kopf.on.login(registry=registry)
     def _login(**_: Any) -> kopf.ConnectionInfo:
-        return rt.connection
+        return rt.login.connection()  # re-reads a rotated ServiceAccount token
 
     @kopf.on.resume(*POOL, registry=registry)
     @kopf.on.create(*POOL, registry=registry)
     @kopf.on.update(*POOL, registry=registry)
-    async def _pool_changed(body: kopf.Body, **_: Any) -> None:
+    async def _pool_changed(body: kopf.Body, retry: int, **_: Any) -> None:
         try:
             await rt.reconciler.reconcile(dict(body))
-        except kube.ApiError as e:
-            raise kopf.TemporaryError(f"API error while reconciling: {e}", delay=5) from e
+        except (kube.ApiError, httpx.TransportError) as e:
+            raise kopf.TemporaryError(f"API error while reconciling: {e}",
+                                      delay=rt.retrier.backoff.delay(retry)) from e
 
-    resync = rt.config.resync_interval_s
-
-    @kopf.timer(*POOL, interval=resync, registry=registry,
-                initial_delay=lambda **_: resync * random.uniform(0.5, 1.5))  # spread out
-    async def _resync(body: kopf.Body, namespace: str, name: str, **_: Any) -> None:
-        if rt.reconciler.idle_for(namespace, name) >= 0.9 * resync:
-            await rt.reconciler.reconcile(dict(body), full=True)
-
-    @kopf.timer(*POOL, interval=rt.config.autoscale_interval_s, registry=registry)
-    async def _autoscale(body: kopf.Body, **_: Any) -> None:
-        await rt.autoscaler.tick(dict(body))
-
-    async def _child_changed(namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
-        pool = labels.get("sluice.dev/pool")
+    async def _child_changed(namespace: str | None, **kwargs: Any) -> None:
+        pool = kwargs["labels"].get(labels.POOL)  # (kopf's `labels` kwarg: the child's)
         if pool and namespace:
-            await rt.reconciler.reconcile_named(namespace, pool)
+            await rt.retrier.run((namespace, pool),
+                                 lambda: rt.reconciler.reconcile_named(namespace, pool))
 
     for group, version, plural in CHILDREN:
         resource = (group, version, plural) if group else (version, plural)
         kopf.on.event(*resource, labels=MANAGED, registry=registry,
                       id=f"child-{plural}")(_child_changed)
 
+    if rt.purge is not None:
+        _register_index_cleanup(registry, rt, rt.purge)
+    return registry
+
+
+def _register_index_cleanup(registry: kopf.OperatorRegistry, rt: Runtime,
+                            purge: cleanup.IndexPurger) -> None:
     @kopf.on.delete(*POOL, backoff=5, registry=registry)
     async def _pool_deleted(body: kopf.Body, namespace: str, name: str, retry: int,
                             **_: Any) -> None:
@@ -107,17 +117,15 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> kopf.OperatorRegis
         pods = await rt.client.list(kube.PODS, namespace, labels.pool_selector(name))
         ids = cleanup.pool_pod_ids(endpoints, pods)
         try:
-            purged = await rt.purge(namespace, name, ids)
+            purged = await purge(namespace, name, ids)
         except Exception as e:  # Redis down: retry a while, never block the deletion forever
             if retry < PURGE_ATTEMPTS - 1:
                 raise kopf.TemporaryError(f"index cleanup failed: {type(e).__name__}",
                                           delay=5) from e
-            post_event(dict(body), "Warning", "IndexPurgeFailed",
-                       f"gave up removing {len(ids)} engines from the index after "
-                       f"{PURGE_ATTEMPTS} attempts ({type(e).__name__}); gateways drop "
-                       "them when their load entries expire")
+            rt.events(dict(body), "Warning", "IndexPurgeFailed",
+                      f"gave up removing {len(ids)} engines from the index after "
+                      f"{PURGE_ATTEMPTS} attempts ({type(e).__name__}); gateways drop "
+                      "them when their load entries expire")
             return
-        post_event(dict(body), "Normal", "IndexPurged",
-                   f"removed {len(ids)} engines ({purged} prefix-index keys) from the index")
-
-    return registry
+        rt.events(dict(body), "Normal", "IndexPurged",
+                  f"removed {len(ids)} engines ({purged} prefix-index keys) from the index")

@@ -5,7 +5,12 @@ this one creates, patches and deletes children and writes pool status. It uses t
 connection kopf logged in with (`kopf.ConnectionInfo`), so both agree on the cluster.
 Writes are JSON merge patches (RFC 7386) carrying `metadata.resourceVersion` when the
 caller wants optimistic concurrency; the API server answers 409 on a stale version.
-Bearer tokens are never logged.
+Bearer tokens are never logged; a ServiceAccount token is re-read as it rotates
+(`credentials.py`).
+
+Errors split in two (`is_transient`): what may pass if asked again (409, 429, 5xx, a lost
+connection) is retried with backoff; what the API server refused for good (400, 403, 404
+on a create, 422) becomes a Degraded condition with its message.
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ PODS = ResourceRef("", "v1", "pods")
 PVCS = ResourceRef("", "v1", "persistentvolumeclaims")
 POOLS = ResourceRef("sluice.dev", "v1alpha1", "inferencepools")
 GIE_POOLS = ResourceRef("inference.networking.k8s.io", "v1", "inferencepools")
+EVENTS = ResourceRef("", "v1", "events")
+CLUSTER_PEERINGS = ResourceRef("kopf.dev", "v1", "clusterkopfpeerings", namespaced=False)
+PEERINGS = ResourceRef("kopf.dev", "v1", "kopfpeerings")
 
 # The kinds the operator applies as a pool's children ("InferencePool" there is GIE's:
 # our own pool is never a child).
@@ -68,6 +76,13 @@ class Conflict(ApiError):
     """409: AlreadyExists on create, or a stale resourceVersion on update."""
 
 
+def is_transient(error: BaseException) -> bool:
+    """Worth another try: a conflict, throttling, an API server or network failure."""
+    if isinstance(error, httpx.TransportError):
+        return True
+    return isinstance(error, ApiError) and (error.status in (409, 429) or error.status >= 500)
+
+
 def _raise_for(response: httpx.Response) -> None:
     if response.status_code < 400:
         return
@@ -88,17 +103,19 @@ class KubeClient:
         self._http = http
 
     @classmethod
-    def from_connection(cls, info: Any, timeout: float = 30.0) -> KubeClient:
+    def from_connection(cls, info: Any, timeout: float = 30.0,
+                        auth: httpx.Auth | None = None) -> KubeClient:
         """Build from a `kopf.ConnectionInfo` (server, CA, token or client certificate);
-        kopf turns it into TLS settings and auth headers the same way for its own client."""
+        kopf turns it into TLS settings and auth headers the same way for its own client.
+        `auth` (a rotating token, `credentials.TokenAuth`) replaces the info's token."""
         verify: Any = info.as_ssl_context() if info.server.startswith("https") else True
-        # Up to 16 reconcile passes run at once (Reconciler.max_concurrent) plus timers:
+        # Up to 16 reconcile passes run at once (Reconciler.max_concurrent) plus the loop:
         # keep that many connections alive (no connect per request), and no more (httpx
         # scans its pool on every request).
         limits = httpx.Limits(max_connections=24, max_keepalive_connections=24)
-        headers = {**info.as_http_headers(), "User-Agent": USER_AGENT}
+        headers = {**(info.as_http_headers() if auth is None else {}), "User-Agent": USER_AGENT}
         http = httpx.AsyncClient(base_url=info.server, verify=verify, limits=limits,
-                                 headers=headers, timeout=timeout)
+                                 headers=headers, timeout=timeout, auth=auth)
         return cls(http)
 
     async def close(self) -> None:

@@ -1,5 +1,6 @@
 """Read what a pool's children look like now, and what is wrong that only the operator
-can see (missing PVC or Secret, unschedulable GPU request, failing images or engines).
+can see (missing PVC or Secret, unschedulable GPU request, failing images or engines, a
+Deployment whose pods the API server refuses or whose rollout stalled).
 
 Missing Secrets are detected from the pods' waiting reasons rather than by reading
 Secrets, so the operator needs no access to Secrets at all (least privilege).
@@ -10,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sluice.operator import kube, labels
+from sluice import labels
+from sluice.operator import kube
 from sluice.operator.render import child_name
 from sluice.operator.spec import PoolSpec, PvcSource
 
@@ -30,6 +32,28 @@ class Observed:
     deployments: dict[str, dict[str, Any]]  # role -> live Deployment (absent: missing)
     pods: list[dict[str, Any]]
     problems: list[Problem] = field(default_factory=list)
+
+
+# Deployment conditions that mean its pods will not come by themselves: the ReplicaSet
+# controller's pod creates refused (quota, Pod Security, a bad quantity), or no progress
+# within progressDeadlineSeconds (600 s by default).
+_DEPLOYMENT_CONDITIONS = {
+    ("ReplicaFailure", "True"): "ReplicaFailure",
+    ("Progressing", "False"): "RolloutStalled",
+}
+
+
+def deployment_problems(deployments: dict[str, dict[str, Any]]) -> list[Problem]:
+    """Pure: a problem per failing Deployment condition, with the controller's message."""
+    found = []
+    for dep in deployments.values():
+        name = dep["metadata"]["name"]
+        for cond in (dep.get("status") or {}).get("conditions") or ():
+            reason = _DEPLOYMENT_CONDITIONS.get((cond.get("type"), cond.get("status")))
+            if reason:
+                detail = cond.get("message") or cond.get("reason") or cond["type"]
+                found.append((reason, f"Deployment {name}: {cond.get('reason', '')}: {detail}"))
+    return found
 
 
 def pod_problems(pods: list[dict[str, Any]]) -> list[Problem]:
@@ -93,4 +117,5 @@ async def observe(client: kube.KubeClient, pool: PoolSpec,
         except kube.NotFound:
             problems.append(("MissingPVC",
                              f"PersistentVolumeClaim {pool.namespace}/{claim} not found"))
-    return Observed(deployments, pods, problems + pod_problems(pods))
+    return Observed(deployments, pods,
+                    problems + deployment_problems(deployments) + pod_problems(pods))

@@ -1,7 +1,7 @@
 """Level-based reconciliation of one InferencePool: render → apply → observe → status.
 
 `Reconciler.reconcile(body)` may be called from any trigger (pool created, updated
-or resumed, a child changed, the resync timer). Calls for the same pool are
+or resumed, a child changed, the periodic resync). Calls for the same pool are
 serialised, and triggers that arrive while one runs are coalesced into one more pass,
 so a burst of child events costs at most two passes. Every pass is idempotent.
 A spec the operator cannot render, or a problem only it can see, becomes a Degraded
@@ -88,7 +88,7 @@ class Reconciler:
             self._slots.pop(key, None)
 
     def idle_for(self, namespace: str, name: str) -> float:
-        """Seconds since the pool's last pass (inf if never): the resync timer skips pools
+        """Seconds since the pool's last pass (inf if never): the resync skips pools
         that event-driven passes keep fresh, so its load does not delay drift repair."""
         last = self._last_pass.get((namespace, name))
         return float("inf") if last is None else time.monotonic() - last

@@ -1,7 +1,8 @@
 """Pure rendering: an InferencePool spec → the desired child manifests.
 
 `render_pool(pool, config)` returns, in apply order, the headless Service, then per
-role a Deployment and a PodDisruptionBudget. Every child carries the common labels,
+role a Deployment (RollingUpdate as `spec.rollout` says) and a PodDisruptionBudget (as
+`spec.podDisruptionBudget` says). Every child carries the common labels,
 an ownerReference to the pool (so deleting the pool garbage-collects it) and a
 `sluice.dev/spec-hash` annotation (hash of the rendered object itself) for change
 detection. Same input → byte-identical output; no I/O.
@@ -15,7 +16,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from sluice.operator import engine_args, labels
+from sluice import labels
+from sluice.operator import crd, engine_args
 from sluice.operator.spec import HuggingFaceSource, PoolSpec, PvcSource, RoleSpec
 
 Manifest = dict[str, Any]
@@ -32,13 +34,24 @@ class RenderConfig:
     # `$VLLM_API_KEY` (ours and vLLM's engines read it); None: engines without a key.
     engine_key_secret: str | None = None
     engine_key_key: str = "key"
+    # The Secret (in the pool's namespace) with the engines' CURVE keys for their KV-event
+    # sockets (`sluice.zmq_curve.ENGINE_FILES`); None: plain sockets. See _kv_events_curve.
+    kv_events_curve_secret: str | None = None
 
 
 TMP_DIR = "/tmp"
+KV_EVENTS_CURVE_DIR = "/etc/sluice/kv-events-curve"
 
 
 def child_name(pool: str, role: str) -> str:
     return f"{pool}-{role}"
+
+
+def owner_reference(name: str, uid: str) -> dict[str, object]:
+    """The pool as the controller of a child: the garbage collector deletes the child with
+    it, and blockOwnerDeletion is why the operator needs update on inferencepools/finalizers."""
+    return {"apiVersion": crd.API_VERSION, "kind": crd.KIND, "name": name, "uid": uid,
+            "controller": True, "blockOwnerDeletion": True}
 
 
 def spec_hash(manifest: Manifest) -> str:
@@ -53,7 +66,7 @@ def _metadata(pool: PoolSpec, name: str, extra_labels: dict[str, str] | None = N
         "name": name, "namespace": pool.namespace,
         "labels": {**labels.common_labels(pool.name), **(extra_labels or {})},
         "annotations": {},
-        "ownerReferences": [labels.owner_reference(pool.name, pool.uid)],
+        "ownerReferences": [owner_reference(pool.name, pool.uid)],
     }
 
 
@@ -75,10 +88,13 @@ def render_service(pool: PoolSpec) -> Manifest:
 
 
 def render_pdb(pool: PoolSpec, role: RoleSpec) -> Manifest:
+    budget = pool.disruption
+    limit = ({"minAvailable": budget.min_available} if budget.min_available is not None
+             else {"maxUnavailable": budget.max_unavailable})
     return _stamp({
         "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
         "metadata": _metadata(pool, child_name(pool.name, role.name), {labels.ROLE: role.name}),
-        "spec": {"maxUnavailable": 1,
+        "spec": {**limit,
                  "selector": {"matchLabels": labels.selector_labels(pool.name, role.name)}},
     })
 
@@ -125,6 +141,18 @@ def _volumes(pool: PoolSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
     return volumes, mounts
 
 
+def _kv_events_curve(pool: PoolSpec, config: RenderConfig) -> tuple[list[Any], list[Any],
+                                                                      list[str]]:
+    """(volumes, mounts, engine flags) for CURVE on the KV-event sockets. Sluice engines
+    only: vLLM has no CURVE, so its pools stay plain, behind the NetworkPolicy."""
+    if not config.kv_events_curve_secret or pool.engine.kind == "vllm":
+        return [], [], []
+    volume = {"name": "kv-events-curve", "secret": {
+        "secretName": config.kv_events_curve_secret, "defaultMode": 0o400}}
+    mount = {"name": "kv-events-curve", "mountPath": KV_EVENTS_CURVE_DIR, "readOnly": True}
+    return [volume], [mount], ["--kv-events-curve-dir", KV_EVENTS_CURVE_DIR]
+
+
 def _init_containers(pool: PoolSpec, image: str, mounts: list[dict[str, Any]]) -> list[Any]:
     src = pool.source
     if not isinstance(src, HuggingFaceSource) or pool.engine.kind == "vllm":
@@ -152,19 +180,20 @@ def render_pod_template(pool: PoolSpec, role: RoleSpec, config: RenderConfig) ->
     image = pool.engine.image or default
     command, args = engine_args.engine_command(pool)
     volumes, mounts = _volumes(pool)
+    curve_volumes, curve_mounts, curve_args = _kv_events_curve(pool, config)
     container = {
-        "name": "engine", "image": image, "command": command, "args": args,
+        "name": "engine", "image": image, "command": command, "args": args + curve_args,
         "env": _env(pool, config),
         "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in labels.PORTS],
         "resources": role.resources.to_manifest(),
         "startupProbe": _probe("/health", 10, max(1, config.startup_timeout_s // 10)),
         "readinessProbe": _probe("/health", 5, 3),
         "livenessProbe": _probe("/health", 10, 6),
-        "volumeMounts": mounts,
+        "volumeMounts": mounts + curve_mounts,
         "securityContext": _container_security(pool),
     }
     pod: dict[str, Any] = {
-        "containers": [container], "volumes": volumes,
+        "containers": [container], "volumes": volumes + curve_volumes,
         "initContainers": _init_containers(pool, image, mounts),
         "terminationGracePeriodSeconds": 60,
         "enableServiceLinks": False,
@@ -201,17 +230,20 @@ def render_deployment(pool: PoolSpec, role: RoleSpec, config: RenderConfig) -> M
         "spec": {
             "replicas": role.replicas,
             "selector": {"matchLabels": labels.selector_labels(pool.name, role.name)},
-            "strategy": {"type": "RollingUpdate",
-                         "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {
+                "maxSurge": pool.rollout.max_surge,
+                "maxUnavailable": pool.rollout.max_unavailable}},
             "template": render_pod_template(pool, role, config),
         },
     })
 
 
 def render_pool(pool: PoolSpec, config: RenderConfig = RenderConfig()) -> list[Manifest]:
-    """All desired children of a pool, in apply order (Service, then per role)."""
+    """All desired children of a pool, in apply order (Service, then per role). A PDB only
+    while `podDisruptionBudget.enabled` (switched off, it is pruned as an orphan)."""
     out = [render_service(pool)]
     for role in pool.roles:
         out.append(render_deployment(pool, role, config))
-        out.append(render_pdb(pool, role))
+        if pool.disruption.enabled:
+            out.append(render_pdb(pool, role))
     return out

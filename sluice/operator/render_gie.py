@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sluice.operator import kube, labels
-from sluice.operator.render import Manifest, spec_hash
+from sluice import labels
+from sluice.operator import kube
+from sluice.operator.render import Manifest, owner_reference, spec_hash
 from sluice.operator.spec import PoolSpec
 
 GIE_POOLS = kube.GIE_POOLS
@@ -57,7 +58,7 @@ def render_gie_pool(pool: PoolSpec, config: GieConfig) -> Manifest:
         "metadata": {
             "name": pool.name, "namespace": pool.namespace,
             "labels": labels.common_labels(pool.name), "annotations": {},
-            "ownerReferences": [labels.owner_reference(pool.name, pool.uid)],
+            "ownerReferences": [owner_reference(pool.name, pool.uid)],
         },
         "spec": {
             "selector": {"matchLabels": engine_selector(pool.name)},

@@ -1,4 +1,5 @@
-"""Assemble the operator (client, reconciler, autoscaler, purger, kopf registry) and run it.
+"""Assemble the operator (client, reconciler, autoscaler, purger, retrier, periodic loop,
+kopf registry) and run it.
 
 `run()` is what `sluice operator` executes; tests call it with the emulator's
 connection, a stop flag and fakes for the metrics sampler and the index purger.
@@ -7,6 +8,7 @@ connection, a stop flag and fakes for the metrics sampler and the index purger.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from typing import Any
 
@@ -16,24 +18,34 @@ import kopf
 from sluice.operator import cleanup, handlers, kube, metrics, redis_load
 from sluice.operator.autoscaler import Autoscaler, Sampler
 from sluice.operator.config import OperatorConfig
+from sluice.operator.credentials import Login
+from sluice.operator.events import EventPoster
 from sluice.operator.reconciler import EventSink, Reconciler
+from sluice.operator.retry import Retrier
+from sluice.operator.ticker import Ticker
 
 
-def build_runtime(config: OperatorConfig, connection: kopf.ConnectionInfo, *,
+def build_runtime(config: OperatorConfig, login: Login | kopf.ConnectionInfo, *,
                   purge: cleanup.IndexPurger | None = None, sampler: Sampler | None = None,
-                  events: EventSink = handlers.post_event) -> handlers.Runtime:
-    client = kube.KubeClient.from_connection(connection)
+                  events: EventSink | None = None) -> handlers.Runtime:
+    """`purge` None: the Redis purger when `config.redis_url` is set, else no index cleanup
+    (and no finalizer)."""
+    login = login if isinstance(login, Login) else Login(login)
+    client = kube.KubeClient.from_connection(login.info, auth=login.http_auth())
     if sampler is None:
         http = httpx.AsyncClient()
         sampler = functools.partial(_sample, http, config.metrics_timeout_s)
         if config.redis_url:  # engines unreachable from here: the gateways' load table
             sampler = redis_load.first_of(sampler, redis_load.redis_sampler(config.redis_url))
-    if purge is None:
-        purge = cleanup.redis_purger(config.redis_url) if config.redis_url else cleanup.no_index
+    if purge is None and config.redis_url:
+        purge = cleanup.redis_purger(config.redis_url)
+    events = events or EventPoster(client)
+    reconciler = Reconciler(client, config.render, events, gie=config.gie)
+    autoscaler = Autoscaler(client, sampler, events)
     return handlers.Runtime(
-        config=config, connection=connection, client=client,
-        reconciler=Reconciler(client, config.render, events, gie=config.gie),
-        autoscaler=Autoscaler(client, sampler, events), purge=purge)
+        config=config, login=login, client=client, events=events, reconciler=reconciler,
+        autoscaler=autoscaler, purge=purge, retrier=Retrier(config.backoff),
+        ticker=Ticker(client, config, reconciler, autoscaler))
 
 
 async def _sample(http: httpx.AsyncClient, timeout: float, endpoints: list[dict[str, Any]],
@@ -41,16 +53,17 @@ async def _sample(http: httpx.AsyncClient, timeout: float, endpoints: list[dict[
     return await metrics.sample_pool(http, endpoints, role, timeout)
 
 
-async def run(config: OperatorConfig, connection: kopf.ConnectionInfo, *,
+async def run(config: OperatorConfig, login: Login | kopf.ConnectionInfo, *,
               runtime: handlers.Runtime | None = None,
               stop_flag: asyncio.Event | None = None,
               ready_flag: asyncio.Event | None = None,
               settings: kopf.OperatorSettings | None = None) -> None:
     """Run until `stop_flag` (or a signal). `settings`: kopf tunables beyond `config`."""
-    rt = runtime or build_runtime(config, connection)
+    rt = runtime or build_runtime(config, login)
     registry = handlers.register(kopf.OperatorRegistry(), rt)
     settings = settings or kopf.OperatorSettings()
     handlers.configure(settings, config)
+    ticker = asyncio.create_task(rt.ticker.run(), name="sluice periodic work")
     try:
         await kopf.operator(
             registry=registry, settings=settings, standalone=config.standalone,
@@ -60,4 +73,10 @@ async def run(config: OperatorConfig, connection: kopf.ConnectionInfo, *,
             namespaces=list(config.namespaces), liveness_endpoint=config.liveness_endpoint,
             stop_flag=stop_flag, ready_flag=ready_flag)
     finally:
+        ticker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await ticker
+        await rt.retrier.close()
+        if isinstance(rt.events, EventPoster):
+            await rt.events.flush()
         await rt.client.close()

@@ -76,6 +76,26 @@ class Resources:
             "nvidia.com/gpu", "0")))
 
 
+IntOrPercent = int | str  # a count, or a percentage such as "25%"
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """Each Deployment's RollingUpdate: a new engine first, by default (one spare GPU)."""
+
+    max_surge: IntOrPercent = 1
+    max_unavailable: IntOrPercent = 0
+
+
+@dataclass(frozen=True)
+class DisruptionSpec:
+    """Each role's PodDisruptionBudget; `min_available` replaces `max_unavailable`."""
+
+    enabled: bool = True
+    max_unavailable: IntOrPercent | None = 1
+    min_available: IntOrPercent | None = None
+
+
 @dataclass(frozen=True)
 class RoleSpec:
     """One Deployment's worth of engines: `serve` for a plain pool, else prefill/decode."""
@@ -113,6 +133,8 @@ class PoolSpec:
     engine: EngineSpec
     roles: tuple[RoleSpec, ...]
     disaggregated: bool
+    rollout: RolloutSpec = RolloutSpec()
+    disruption: DisruptionSpec = DisruptionSpec()
     cache_size_limit: str = "20Gi"
     cache_claim: str | None = None
     node_selector: tuple[tuple[str, str], ...] = ()
@@ -150,7 +172,10 @@ class PoolSpec:
             uid=meta.get("uid", ""), generation=int(meta.get("generation") or 0),
             model_name=model["name"], source=source, engine=engine, roles=roles,
             disaggregated=roles_spec is not None,
-            cache_size_limit=cache.get("sizeLimit", "20Gi"), cache_claim=cache.get("claimName"),
+            rollout=_rollout(spec.get("rollout")),
+            disruption=_disruption(spec.get("podDisruptionBudget")),
+            cache_size_limit=str(cache.get("sizeLimit", "20Gi")),
+            cache_claim=cache.get("claimName"),
             node_selector=tuple(sorted((spec.get("nodeSelector") or {}).items())),
             tolerations=tuple(spec.get("tolerations") or ()),
             affinity=spec.get("affinity"),
@@ -211,6 +236,24 @@ def _resources(r: Mapping[str, Any] | None) -> Resources:
         requests=tuple(sorted((k, str(v)) for k, v in (r.get("requests") or {}).items())),
         limits=tuple(sorted((k, str(v)) for k, v in (r.get("limits") or {}).items())),
     )
+
+
+def _rollout(r: Mapping[str, Any] | None) -> RolloutSpec:
+    r = r or {}
+    spec = RolloutSpec(max_surge=r.get("maxSurge", 1), max_unavailable=r.get("maxUnavailable", 0))
+    if str(spec.max_surge) in ("0", "0%") and str(spec.max_unavailable) in ("0", "0%"):
+        raise SpecError("rollout.maxSurge and rollout.maxUnavailable cannot both be 0")
+    return spec
+
+
+def _disruption(d: Mapping[str, Any] | None) -> DisruptionSpec:
+    d = d or {}
+    if "maxUnavailable" in d and "minAvailable" in d:
+        raise SpecError("podDisruptionBudget: set maxUnavailable or minAvailable, not both")
+    return DisruptionSpec(enabled=bool(d.get("enabled", True)),
+                          max_unavailable=None if "minAvailable" in d else d.get(
+                              "maxUnavailable", 1),
+                          min_available=d.get("minAvailable"))
 
 
 def _autoscaling(a: Mapping[str, Any] | None) -> AutoscalingSpec:

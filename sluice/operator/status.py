@@ -4,6 +4,11 @@ Conditions follow the Kubernetes convention: `Ready`, `Progressing`, `Degraded`,
 with a CamelCase reason and a human message; `lastTransitionTime` changes only when
 a condition's status flips. `kvCacheUsage`, `queueDepth` and `lastScaleTime` belong to
 the autoscaler and are carried over unchanged.
+
+`replicas` and `selector` describe the same pods (the scale subresource hands both to an
+HPA): the `serve` engines of a plain pool, every role's of a prefill/decode pool (whose
+scale subresource `spec.replicas` does not apply: its roles scale apart). Each
+`roles.<role>` has its own replicas and selector.
 """
 
 from __future__ import annotations
@@ -11,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from sluice.operator import labels
+from sluice import labels
 from sluice.operator.observe import Observed, Problem, endpoints
-from sluice.operator.spec import SERVE, PoolSpec
+from sluice.operator.spec import PoolSpec
 
 AUTOSCALER_FIELDS = ("kvCacheUsage", "queueDepth", "lastScaleTime")
 
@@ -25,6 +30,11 @@ def _condition(type_: str, ok: bool, reason: str, message: str, generation: int,
         "status") == status else now
     return {"type": type_, "status": status, "reason": reason, "message": message,
             "observedGeneration": generation, "lastTransitionTime": since or now}
+
+
+def selector(pool: str, role: str | None = None) -> str:
+    """Label selector string of a pool's engine pods (of one role, when given)."""
+    return f"{labels.POOL}={pool}" + (f",{labels.ROLE}={role}" if role else "")
 
 
 def _role_counts(dep: Mapping[str, Any] | None, generation_ok: bool) -> dict[str, int | bool]:
@@ -43,14 +53,15 @@ def compute_status(pool: PoolSpec, observed: Observed, problems: list[Problem],
                    previous: Mapping[str, Any] | None, now: str) -> dict[str, Any]:
     previous = previous or {}
     prev_conditions = {c["type"]: c for c in previous.get("conditions") or ()}
-    roles: dict[str, dict[str, int]] = {}
+    roles: dict[str, dict[str, Any]] = {}
     progressing: list[str] = []
     not_ready: list[str] = []
     for role in pool.roles:
         dep = observed.deployments.get(role.name)
         counts = _role_counts(dep, True)
         roles[role.name] = {"replicas": int(counts["replicas"]),
-                            "readyReplicas": int(counts["readyReplicas"])}
+                            "readyReplicas": int(counts["readyReplicas"]),
+                            "selector": selector(pool.name, role.name)}
         if dep is None:
             progressing.append(f"{role.name}: Deployment missing")
         elif not counts["rolledOut"]:
@@ -79,12 +90,12 @@ def compute_status(pool: PoolSpec, observed: Observed, problems: list[Problem],
                             f"{ready}/{desired} replicas ready", g,
                             prev_conditions.get("Ready"), now)
 
-    selector_role = SERVE if not pool.disaggregated else "decode"
     status: dict[str, Any] = {
         "observedGeneration": g,
-        "replicas": replicas,
+        "replicas": replicas,  # summed over the roles: the pods `selector` matches
         "readyReplicas": ready,
-        "selector": f"{labels.POOL}={pool.name},{labels.ROLE}={selector_role}",
+        "selector": (selector(pool.name) if pool.disaggregated
+                     else selector(pool.name, pool.roles[0].name)),
         "roles": roles,
         "conditions": [ready_cond, progress, degraded],
         "endpoints": endpoints(observed.pods),

@@ -15,6 +15,7 @@ The picker answers the same to both: header = primary, metadata = "primary,fallb
 reads the endpoint that answered in `envoy.lb` / `x-gateway-destination-endpoint-served` on the
 response-headers message. `render_bootstrap` is pure; `python -m sluice.gateway.envoy.bootstrap
 --out f.yaml` is the CLI the chart and images run, so this module is the file's one source.
+With a certificate the listener speaks TLS (`tls.py`; the CLI then also writes the SDS file).
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import ipaddress
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
+from sluice.gateway.envoy import tls
 from sluice.gateway.envoy.listener import (
     DEST_HEADER,
     ENGINE_CLUSTER,
@@ -42,7 +45,7 @@ from sluice.gateway.envoy.listener import (
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 __all__ = ["DEST_HEADER", "LB_NAMESPACE", "PICKER_MODE", "SERVED_KEY", "EnvoyConfig",
-           "render_bootstrap", "render_yaml"]
+           "render_bootstrap", "render_yaml", "write_config"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,11 @@ class EnvoyConfig:
     max_concurrency: int = 100_000  # circuit breakers: LLM streams are long and many
     dns_refresh_s: float = 5.0
     access_log: bool = True
+    # Downstream TLS (tls.py): PEM files, both or neither; "" = plain HTTP. The SDS file that
+    # names them ("": tls-sds.yaml beside the bootstrap, see write_config).
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_sds_file: str = ""
 
 
 def _is_ip(host: str) -> bool:
@@ -178,6 +186,11 @@ def render_bootstrap(cfg: EnvoyConfig) -> dict:
 
     Pure: same config, same dict; no file, network or environment access.
     """
+    chain: dict[str, Any] = {"filters": [{
+        "name": "envoy.filters.network.http_connection_manager",
+        "typed_config": http_connection_manager(cfg)}]}
+    if tls.enabled(cfg):
+        chain["transport_socket"] = tls.transport_socket(cfg)
     return {
         "node": {"id": "sluice-gateway", "cluster": "sluice"},
         "admin": {"address": _address(cfg.admin_host, cfg.admin_port)},
@@ -191,15 +204,28 @@ def render_bootstrap(cfg: EnvoyConfig) -> dict:
             "listeners": [{
                 "name": "sluice_http", "address": _address(cfg.listen_host, cfg.listen_port),
                 "per_connection_buffer_limit_bytes": cfg.connection_buffer_bytes,
-                "filter_chains": [{"filters": [{
-                    "name": "envoy.filters.network.http_connection_manager",
-                    "typed_config": http_connection_manager(cfg)}]}]}],
+                "filter_chains": [chain]}],
             "clusters": [_engine_cluster(cfg), _picker_cluster(cfg)]}}
 
 
 def render_yaml(cfg: EnvoyConfig) -> str:
     """`render_bootstrap(cfg)` as YAML (key order kept, so diffs of the file stay readable)."""
     return yaml.safe_dump(render_bootstrap(cfg), sort_keys=False, width=100)
+
+
+def write_config(cfg: EnvoyConfig, path: str) -> EnvoyConfig:
+    """Write the bootstrap to `path` and, with TLS, the SDS file (tls-sds.yaml beside it
+    unless `cfg` names one); the config as written."""
+    if cfg.tls_cert_file and not cfg.tls_sds_file:
+        sds = os.path.join(os.path.dirname(os.path.abspath(path)), tls.SDS_FILE)
+        cfg = dataclasses.replace(cfg, tls_sds_file=sds)
+    text = render_yaml(cfg)  # (raises before any file is written)
+    if tls.enabled(cfg):
+        with open(cfg.tls_sds_file, "w") as fh:
+            fh.write(yaml.safe_dump(tls.sds_resources(cfg), sort_keys=False))
+    with open(path, "w") as fh:
+        fh.write(text)
+    return cfg
 
 
 def _parse_args(argv: list[str] | None) -> tuple[EnvoyConfig, str]:
@@ -227,12 +253,12 @@ def _parse_args(argv: list[str] | None) -> tuple[EnvoyConfig, str]:
 
 def main(argv: list[str] | None = None) -> None:
     cfg, out = _parse_args(argv)
-    text = render_yaml(cfg)
-    if out == "-":
-        sys.stdout.write(text)
+    if out != "-":
+        write_config(cfg, out)
+    elif cfg.tls_cert_file:
+        raise SystemExit("TLS: give --out (the SDS file is written beside it)")
     else:
-        with open(out, "w") as fh:
-            fh.write(text)
+        sys.stdout.write(render_yaml(cfg))
 
 
 if __name__ == "__main__":

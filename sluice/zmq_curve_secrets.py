@@ -1,0 +1,146 @@
+"""The chart's pre-install hook: CURVE keys for the KV-event sockets, as two Kubernetes Secrets.
+
+Helm's template functions cannot make a Curve25519 key pair (a public key is a scalar
+multiplication, then Z85), so a hook Job runs `python -m sluice.zmq_curve_secrets` from the
+picker's image before the release's pods start:
+
+    --engines NS/NAME   the engines' Secret: their key pair, the picker's public key
+                        (repeated: a copy in each pools' namespace)
+    --picker NS/NAME    the picker's Secret: its key pair, the engines' public key
+
+Each Secret holds exactly one side's files (`zmq_curve.ENGINE_FILES` / `PICKER_FILES`), mounted
+as that side's `--kv-events-curve-dir`. All are made at once from one new pair and then kept:
+a later run (every upgrade) changes nothing, but for copying the engines' Secret into a
+namespace newly listed. A pair no longer whole (the picker's Secret without any engines' copy,
+or the reverse, or copies that differ) fails the run, naming what to delete: new keys would
+not match the ones running engines or pickers hold. Only names are printed, never keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from sluice.zmq_curve import ENGINE_FILES, PICKER_FILES, new_keys
+
+
+@dataclass(frozen=True)
+class SecretRef:
+    namespace: str
+    name: str
+
+    @classmethod
+    def parse(cls, text: str) -> SecretRef:
+        namespace, sep, name = text.partition("/")
+        if not (sep and namespace and name):
+            raise argparse.ArgumentTypeError(f"{text!r} is not NAMESPACE/NAME")
+        return cls(namespace, name)
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+class BrokenPair(RuntimeError):
+    """One of the two Secrets exists without the other."""
+
+
+def _secret(ref: SecretRef, data: dict[str, str], labels: dict[str, str]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": ref.name, "namespace": ref.namespace, "labels": dict(labels)},
+            "data": data}
+
+
+def render_secrets(keys: dict[str, bytes], engines: list[SecretRef], picker: SecretRef,
+                   labels: dict[str, str]) -> list[dict[str, Any]]:
+    """The engines' Secrets and the picker's for `keys` (`zmq_curve.new_keys()`): pure."""
+    def data(files: tuple[str, ...]) -> dict[str, str]:
+        return {f: base64.b64encode(keys[f]).decode() for f in files}
+
+    return [*(_secret(ref, data(ENGINE_FILES), labels) for ref in engines),
+            _secret(picker, data(PICKER_FILES), labels)]
+
+
+def _read(core: Any, ref: SecretRef) -> dict[str, str] | None:
+    """The Secret's data, None when there is none."""
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        return core.read_namespaced_secret(ref.name, ref.namespace).data or {}
+    except ApiException as err:
+        if err.status == 404:
+            return None
+        raise
+
+
+def ensure(core: Any, engines: list[SecretRef], picker: SecretRef,
+           labels: dict[str, str]) -> str:
+    """Make the Secrets that are missing (`core` is a CoreV1Api): all from a new pair when
+    none exists, else the engines' copies from the one that does. What was done, in words;
+    BrokenPair when the pair is no longer whole."""
+    found = {ref: _read(core, ref) for ref in engines}
+    have = {ref: data for ref, data in found.items() if data is not None}
+    missing = [ref for ref in engines if found[ref] is None]
+    spare = SecretRef(picker.namespace, engines[0].name)
+    # pools moved out of the release namespace: the copy left there is the source
+    if not have and spare not in found and (data := _read(core, spare)) is not None:
+        have = {spare: data}
+    picker_found = _read(core, picker) is not None
+    if not have and not picker_found:
+        for body in render_secrets(new_keys(), engines, picker, labels):
+            core.create_namespaced_secret(body["metadata"]["namespace"], body)
+        return "created"
+    why = ("the picker's Secret is missing" if not picker_found
+           else "every engines' Secret is missing" if not have
+           else "the engines' Secrets differ" if len({tuple(sorted(d.items()))
+                                                     for d in have.values()}) > 1 else "")
+    if why:
+        found_refs = ", ".join(str(r) for r in [*have, *([picker] if picker_found else [])])
+        raise BrokenPair(f"the KV-event key pair is broken: {why}. Delete {found_refs} to "
+                         "make a new pair, then restart the engines and the picker")
+    data = next(iter(have.values()))
+    for ref in missing:
+        core.create_namespaced_secret(ref.namespace, _secret(ref, dict(data), labels))
+    return f"kept, copied to {', '.join(map(str, missing))}" if missing else "kept"
+
+
+def _label(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not (sep and key):
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key, value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m sluice.zmq_curve_secrets",
+                                description="Make the KV-event sockets' CURVE key Secrets "
+                                            "unless they exist.")
+    p.add_argument("--engines", type=SecretRef.parse, action="append", required=True,
+                   metavar="NS/NAME", help="the engines' Secret (repeat: one per namespace)")
+    p.add_argument("--picker", type=SecretRef.parse, required=True, metavar="NS/NAME")
+    p.add_argument("--label", type=_label, action="append", default=[], metavar="KEY=VALUE")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from kubernetes import client, config
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    try:
+        what = ensure(client.CoreV1Api(), args.engines, args.picker, dict(args.label))
+    except BrokenPair as err:
+        print(f"sluice: {err}", file=sys.stderr)
+        return 1
+    names = ", ".join(str(r) for r in [*args.engines, args.picker])
+    print(f"sluice: KV-event CURVE keys {what} ({names})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

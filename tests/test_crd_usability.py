@@ -1,0 +1,128 @@
+"""CRD usability: every field described (what `kubectl explain` prints), quantities
+validated as Kubernetes quantities, rollout and disruption settings that reach the
+children, and a status whose `replicas` and `selector` describe the same pods."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import pathlib
+
+import k8s_schema
+import pytest
+import yaml
+from k8s_controllers import controllers
+from k8s_harness import cluster, connection, eventually, operator
+from k8s_store import selector_matches
+
+from sluice.operator import crd, kube
+from sluice.operator.render import render_pool
+from sluice.operator.spec import PoolSpec, SpecError
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "charts" / "sluice" / "examples"
+SCHEMA = k8s_schema.crd_schema(crd.render_crd())
+
+
+def _base() -> dict:
+    body = yaml.safe_load((EXAMPLES / "pool-cpu.yaml").read_text())
+    body["metadata"]["uid"] = "uid-1"
+    return body
+
+
+def _undescribed(schema: dict, path: str) -> list[str]:
+    missing = [] if schema.get("description") else [path]
+    for name, sub in (schema.get("properties") or {}).items():
+        missing += _undescribed(sub, f"{path}.{name}")
+    for key in ("items", "additionalProperties"):
+        if isinstance(schema.get(key), dict):
+            missing += _undescribed(schema[key], f"{path}[{key}]")
+    return missing
+
+
+def test_every_field_is_described():
+    assert _undescribed(SCHEMA, "spool") == []
+
+
+def _errors(spec_patch: dict) -> list[str]:
+    body = _base()
+    body["spec"].update(copy.deepcopy(spec_patch))
+    return k8s_schema.validate(SCHEMA, body)[1]
+
+
+@pytest.mark.parametrize("value", ["500m", "2", 4, "1.5", "16Gi", "0.5Gi", "1e3", "128974848",
+                                   "100M", ".5"])
+def test_kubernetes_quantities_are_accepted(value):
+    assert _errors({"resources": {"requests": {"cpu": value}, "limits": {"memory": value}},
+                    "modelCache": {"sizeLimit": value}}) == []
+
+
+@pytest.mark.parametrize("value", ["1x", "-1", "2 Gi", "Gi", "1.5.2", "16GB", "", -2])
+def test_what_is_not_a_quantity_is_rejected_by_the_schema(value):
+    for patch in ({"resources": {"limits": {"nvidia.com/gpu": value}}},
+                  {"modelCache": {"sizeLimit": value}}):
+        assert _errors(patch), patch
+
+
+def test_rollout_and_disruption_reach_the_children():
+    body = _base()
+    body["spec"]["rollout"] = {"maxSurge": 0, "maxUnavailable": "25%"}
+    body["spec"]["podDisruptionBudget"] = {"minAvailable": "50%"}
+    defaulted, errors = k8s_schema.validate(SCHEMA, body)
+    assert errors == []
+    kinds = {m["kind"]: m for m in render_pool(PoolSpec.from_body(defaulted))}
+    assert kinds["Deployment"]["spec"]["strategy"]["rollingUpdate"] == {
+        "maxSurge": 0, "maxUnavailable": "25%"}
+    assert kinds["PodDisruptionBudget"]["spec"]["minAvailable"] == "50%"
+    assert "maxUnavailable" not in kinds["PodDisruptionBudget"]["spec"]
+    # defaults: a new engine before an old one goes, one engine down at most
+    kinds = {m["kind"]: m for m in render_pool(PoolSpec.from_body(_base()))}
+    assert kinds["Deployment"]["spec"]["strategy"]["rollingUpdate"] == {
+        "maxSurge": 1, "maxUnavailable": 0}
+    assert kinds["PodDisruptionBudget"]["spec"]["maxUnavailable"] == 1
+    body["spec"]["podDisruptionBudget"] = {"enabled": False}
+    assert "PodDisruptionBudget" not in {m["kind"] for m in render_pool(PoolSpec.from_body(body))}
+
+
+@pytest.mark.parametrize("patch,message", [
+    ({"rollout": {"maxSurge": 0, "maxUnavailable": "0%"}}, "cannot both be 0"),
+    ({"rollout": {"maxSurge": "25"}}, "does not match"),
+    ({"rollout": {"maxUnavailable": -1}}, "less than the minimum"),
+    ({"podDisruptionBudget": {"maxUnavailable": 1, "minAvailable": 1}}, "not both"),
+])
+def test_invalid_rollout_and_disruption_settings_are_rejected(patch, message):
+    errors = _errors(patch)
+    assert any(message in e for e in errors), errors
+    if "does not match" not in message and "minimum" not in message:
+        body = _base()
+        body["spec"].update(patch)
+        with pytest.raises(SpecError, match=message):  # and by the operator's own parser
+            PoolSpec.from_body(body)
+
+
+def _matching(api, selector):
+    return [p for p in api.store.list(api.kind("pods"), "default")
+            if selector_matches(selector, p["metadata"].get("labels") or {})]
+
+
+@pytest.mark.parametrize("example", ["pool-cpu.yaml", "pool-disaggregated.yaml"])
+def test_status_replicas_count_the_pods_its_selector_selects(example):
+    body = yaml.safe_load((EXAMPLES / example).read_text())
+    name = body["metadata"]["name"]
+
+    async def scenario():
+        async with cluster() as (api, server), operator(server), controllers(api):
+            client = kube.KubeClient.from_connection(connection(server))
+            await client.create(kube.POOLS, "default", body)
+            pool = lambda: api.store.get(api.kind("inferencepools"), "default", name)
+            await eventually(lambda: (pool().get("status") or {}).get("readyReplicas") == sum(
+                r["replicas"] for r in pool()["status"]["roles"].values()) > 0, 10, "ready")
+            status = pool()["status"]
+            assert len(_matching(api, status["selector"])) == status["replicas"]
+            for role in status["roles"].values():
+                assert len(_matching(api, role["selector"])) == role["replicas"]
+            scale = await client.get(kube.POOLS, "default", name, subresource="scale")
+            assert scale["status"] == {"replicas": status["replicas"],
+                                       "selector": status["selector"]}
+            await client.close()
+    asyncio.run(asyncio.wait_for(scenario(), 60))
