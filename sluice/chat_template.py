@@ -86,12 +86,17 @@ def plain(value: Any) -> Any:
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """OpenAI chat messages as the template sees them (engine and gateway alike):
-    fields set to null are dropped and list-of-parts content is joined into one
-    text. Raises ValueError on a non-text part."""
+    """OpenAI chat messages as the template sees them (engine and gateway alike), as
+    vLLM passes them: fields set to null are dropped, missing or null content is ""
+    (an assistant message that only calls tools), list-of-parts content is joined into
+    one text, and tool calls' `arguments` JSON text becomes the object templates
+    expect. Raises ValueError on a non-text part or arguments that are not JSON."""
     out = []
     for m in messages:
         d = {k: v for k, v in m.items() if v is not None}
+        d.setdefault("content", "")
+        if isinstance(d.get("tool_calls"), list):
+            d["tool_calls"] = [_template_tool_call(c) for c in d["tool_calls"]]
         content = d.get("content")
         if isinstance(content, list):
             texts = []
@@ -103,3 +108,17 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             d["content"] = "".join(texts)
         out.append(d)
     return out
+
+
+def _template_tool_call(call: Any) -> Any:
+    """A copy of an assistant tool call whose function.arguments is an object ({} if empty)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        return call
+    args = function.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError as exc:
+            raise ValueError(f"tool call arguments are not valid JSON: {exc}") from exc
+    return {**call, "function": {**function, "arguments": {} if args is None else args}}

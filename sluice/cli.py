@@ -20,6 +20,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "engine"), "sluice.bench.engine", "offline engine throughput / latency"),
     (("bench", "serve"), "sluice.bench.serve", "drive an OpenAI endpoint with a workload"),
     (("bench", "step"), "sluice.bench.step_profile", "where a decode step's time goes"),
+    (("bench", "structured"), "sluice.bench.structured",
+     "what structured outputs add to a decode step"),
 ]
 
 

@@ -119,7 +119,7 @@ def test_prefix_caching_disabled_still_correct(reference):
 
 def test_sharded_checkpoint(reference, tmp_path):
     """A checkpoint split over several safetensors files loads to the same model."""
-    folder, model, _ = reference["qwen2"]
+    _folder, model, _ = reference["qwen2"]
     model.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="200KB")
     shards = list(tmp_path.glob("*.safetensors"))
     assert len(shards) > 2

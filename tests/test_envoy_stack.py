@@ -4,6 +4,8 @@ engines (tiny model) + real Redis, all started by `LocalStack` as `sluice up` do
 from __future__ import annotations
 
 import io
+import json
+import re
 import socket
 import threading
 import time
@@ -14,6 +16,8 @@ import pytest
 from engine_server import free_port
 
 from sluice.local.stack import LocalStack, StackConfig
+
+pytestmark = pytest.mark.slow  # a LocalStack of engine processes behind Envoy
 
 MODEL = "tiny"
 SYSTEM = "You are a meticulous assistant who answers in one word. " * 12
@@ -72,6 +76,25 @@ def test_openai_sdk_through_envoy_streaming_and_not(stack):
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices)
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_structured_outputs_tools_and_sampling_fields_pass_through_unchanged(stack):
+    """The picker reads bodies and never rewrites them: vLLM's fields reach the engine."""
+    pytest.importorskip("xgrammar")
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    r = client.completions.create(model=MODEL, prompt="Code:", max_tokens=20, extra_body={
+        "structured_outputs": {"regex": "[A-Z]{3}-[0-9]{3}"}, "min_tokens": 2})
+    assert re.fullmatch("[A-Z]{3}-[0-9]{3}", r.choices[0].text)
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"]}}}
+    r = client.chat.completions.create(model=MODEL, messages=chat(1), max_tokens=600,
+                                       tools=[tool], tool_choice="required", temperature=0)
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert 0 <= json.loads(r.choices[0].message.tool_calls[0].function.arguments)["n"] <= 9
+    with pytest.raises(openai.BadRequestError, match="frobnicate"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1,
+                                  extra_body={"frobnicate": 1})
 
 
 def test_a_shared_prefix_sticks_to_its_pod_with_the_right_hit_header(stack):

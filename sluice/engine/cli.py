@@ -68,6 +68,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="clients send Authorization: Bearer KEY (also $VLLM_API_KEY, as vLLM); "
                         "without it the OpenAI API is open and the admin endpoints and API "
                         "docs are not served")
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="parse tool calls from the model's output for tool_choice auto "
+                        "(hermes: <tool_call> JSON, Qwen2.5/Qwen3; llama3_json: Llama 3.x)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's flag, accepted for the same command lines: auto tool choice "
+                        "is on whenever --tool-call-parser is given")
+    p.add_argument("--allow-unknown-fields", action="store_true",
+                   help="ignore request fields this server does not implement (logged once "
+                        "per field name) instead of answering 400")
     p.add_argument("--log-level", default="info")
 
 
@@ -116,8 +125,8 @@ class _DropProbes(logging.Filter):
 def main(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from sluice.engine.async_engine import AsyncEngine
-    from sluice.engine.llm_engine import LLMEngine
+    from sluice.engine.core.client import EngineCoreClient
+    from sluice.engine.core.process import CoreSpec, KVEventsSpec
     from sluice.engine.server.api import build_app
     from sluice.engine.server.generation_config import load_sampling_defaults
     from sluice.tokenizer import Tokenizer
@@ -126,44 +135,44 @@ def main(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("uvicorn.access").addFilter(_DropProbes())
     config = engine_config(args)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (vLLM's rule)")
     import torch
 
     from sluice.cpus import usable_cpus
 
     # torch's own default counts the machine's physical cores, blind to the affinity
     # mask and a cgroup quota (a pod's CPU limit): bounded by them
-    torch.set_num_threads(args.num_threads or min(torch.get_num_threads(), usable_cpus()))
+    num_threads = args.num_threads or min(torch.get_num_threads(), usable_cpus())
     defaults = load_sampling_defaults(args.generation_config, config.model)
     if defaults:
         log.info("default sampling parameters from generation_config.json: %s", defaults)
     tok_path = args.tokenizer or (None if args.load_format == "dummy" else config.model)
     tokenizer = Tokenizer.from_path(tok_path) if tok_path else None
-    publisher = None
+    kv_events = None
     if args.kv_events_endpoint:
-        from sluice.engine.kv_publisher import KVEventPublisher
-
         topic = args.kv_events_topic or (
             f"kv@{args.host if args.host not in ('0.0.0.0', '::') else socket.gethostname()}"
             f":{args.port}@{config.served_model_name}")
-        from sluice.zmq_curve import ZmqSecurity
-
-        security = ZmqSecurity(args.kv_events_curve_dir) if args.kv_events_curve_dir else None
-        publisher = KVEventPublisher(args.kv_events_endpoint, args.kv_events_replay_endpoint,
-                                     topic, security=security)
-    llm = LLMEngine(config, tokenizer, record_kv_events=publisher is not None)
-    on_step = (lambda: publisher.publish(llm.kv.take_events())) if publisher else None
-    engine = AsyncEngine(llm, on_step=on_step)
+        kv_events = KVEventsSpec(args.kv_events_endpoint, args.kv_events_replay_endpoint, topic,
+                                 args.kv_events_curve_dir)
+    spec = CoreSpec(config, tok_path, num_threads, kv_events, "", "", args.log_level)
+    servers: list[uvicorn.Server] = []
+    # A dead core leaves nothing to serve: stop uvicorn, and exit 1 for the supervisor.
+    engine = EngineCoreClient(spec, on_dead=lambda: [setattr(s, "should_exit", True)
+                                                     for s in servers])
     app = build_app(engine, tokenizer, config.served_model_name, defaults,
                     max_request_body_bytes=args.max_request_body_bytes,
                     max_prompts_per_request=args.max_prompts_per_request,
-                    api_key=args.api_key)
+                    api_key=args.api_key, tool_call_parser=args.tool_call_parser,
+                    allow_unknown_fields=args.allow_unknown_fields)
     log.info("serving %s on http://%s:%d (%s)", config.served_model_name, args.host, args.port,
              "API key required" if args.api_key else "no API key: open; admin endpoints off")
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                    timeout_graceful_shutdown=5)
+        servers.append(uvicorn.Server(uvicorn.Config(
+            app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+            timeout_graceful_shutdown=5)))
+        servers[0].run()
     finally:
         engine.shutdown()
-        if publisher is not None:
-            publisher.close()
-    return 0
+    return 1 if engine.error is not None else 0

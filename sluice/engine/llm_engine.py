@@ -18,6 +18,7 @@ from sluice.engine.outputs import RequestOutput
 from sluice.engine.request import Request
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import Scheduler
+from sluice.engine.structured_output.manager import StructuredOutputManager
 from sluice.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("sluice.engine")
@@ -82,6 +83,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(
             tokenizer.eos_token_ids if tokenizer is not None else mcfg.eos_token_ids)
+        self.structured_output = StructuredOutputManager(tokenizer, mcfg.vocab_size,
+                                                         self.eos_token_ids)
         self.metrics = EngineMetrics(config.served_model_name, cache.block_size, num_blocks,
                                      cache.enable_prefix_caching)
         self.requests: dict[str, OutputState] = {}
@@ -120,9 +123,11 @@ class LLMEngine:
                       arrival_time)
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        req.grammar = self.structured_output.grammar_for(params.structured_outputs)
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
+                                           params.skip_special_tokens)
         self.requests[request_id] = OutputState(req, detok)
         self.scheduler.add(req)
 

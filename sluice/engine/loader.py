@@ -71,7 +71,7 @@ def _iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
     for name in files:
         with safe_open(os.path.join(folder, name), framework="pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 yield key, f.get_tensor(key)
 
 

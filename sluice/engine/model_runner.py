@@ -15,6 +15,7 @@ from sluice.engine.attention.backend import AttentionMetadata, kv_cache_shape
 from sluice.engine.config import CacheConfig, ModelConfig
 from sluice.engine.cuda_graph import DecodeGraphRunner
 from sluice.engine.model.decoder import CausalLM
+from sluice.engine.prompt_logprobs import record_prompt_logprobs
 from sluice.engine.request import Request
 from sluice.engine.sampler import SampleResult, sample
 from sluice.engine.tensors import to_device
@@ -87,6 +88,7 @@ class ModelRunner:
         else:
             hidden = self._forward(input_ids, positions, slots, query_start_loc, seq_lens,
                                    block_tables)
+        record_prompt_logprobs(self.model, hidden, scheduled, query_start_loc)
         if not logit_rows:
             return SampleResult([], [])
         logits = self.model.compute_logits(hidden[to_device(logit_rows, torch.long, self.device)])

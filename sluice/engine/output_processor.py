@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
 from sluice.engine.outputs import RequestOutput, TokenLogprob
 from sluice.engine.request import Request
+
+log = logging.getLogger("sluice.engine")
 
 
 class OutputState:
@@ -19,6 +23,7 @@ class OutputState:
         self.text = ""
         self.num_sent_chars = 0
         self.max_stop_len = max((len(s) for s in req.params.stop), default=0)
+        self.prompt_logprobs_sent = False
 
     def append_token(self, token: int, max_model_len: int) -> None:
         """Record a sampled token and decide whether the request is finished.
@@ -26,10 +31,21 @@ class OutputState:
         A stop token or EOS ends the request without adding its text; a stop
         string ends it with the text cut before the stop (kept with
         include_stop_str_in_output) and takes precedence over the length limit.
+        Stop strings count only after min_tokens tokens (vLLM: the sampler bans
+        stop tokens and EOS until then). A request under a grammar advances its
+        matcher here, and ends when the matcher has accepted a stop token (even
+        with ignore_eos: the grammar allows nothing after it) or refuses the token.
         """
         req, p = self.req, self.req.params
         req.token_ids.append(token)
-        if token in p.stop_token_ids:
+        if req.grammar is not None and not req.grammar.accept_token(token):
+            log.warning("request %s: token %d is outside its grammar (constraints that "
+                        "exclude every token the grammar allows?); finished", req.request_id,
+                        token)
+            req.finish("stop")
+        elif req.grammar is not None and req.grammar.is_terminated:
+            req.finish("stop")
+        elif token in p.stop_token_ids:
             req.finish("stop", token)
         elif token in req.eos_token_ids and not p.ignore_eos:
             req.finish("stop")
@@ -42,7 +58,7 @@ class OutputState:
             self.text += self.detokenizer.add_token(token)
         if req.is_finished:
             self.text += self.detokenizer.finish()
-        if p.stop:
+        if p.stop and req.num_output_tokens > p.min_tokens:
             self._check_stop_strings(before)
 
     def _check_stop_strings(self, before: int) -> bool:
@@ -78,4 +94,12 @@ class OutputState:
             num_cached_tokens=max(req.num_cached_tokens, 0),
             new_logprobs=logprobs,
             stop_reason=req.stop_reason,
+            prompt_logprobs=self._take_prompt_logprobs(),
         )
+
+    def _take_prompt_logprobs(self) -> list | None:
+        """The prompt logprobs, once: with the request's first output."""
+        if self.prompt_logprobs_sent or self.req.params.prompt_logprobs is None:
+            return None
+        self.prompt_logprobs_sent = True
+        return list(self.req.prompt_logprobs or [None])

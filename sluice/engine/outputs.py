@@ -14,6 +14,17 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+@dataclass(frozen=True)
+class PromptLogprob:
+    """A prompt token's logprob given the tokens before it, its 1-based rank in the
+    vocabulary, and the top (token_id, logprob) alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class RequestOutput:
     """The delta a request produced in one engine step.
@@ -34,3 +45,4 @@ class RequestOutput:
     num_cached_tokens: int
     new_logprobs: list[TokenLogprob] | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = None  # the first output only

@@ -43,6 +43,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None
+        self.grammar = None  # structured_output.grammar.RequestGrammar, when constrained
+        self.prompt_logprobs: list | None = None  # prompt_logprobs.py fills it, when asked
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

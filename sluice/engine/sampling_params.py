@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+
+from sluice.engine.structured_output.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
 
 
 @dataclass(frozen=True)
@@ -16,6 +20,18 @@ class SamplingParams:
     return with each sampled token (None: no logprobs at all; 0: only the
     sampled token's own logprob). `seed` makes a request's samples reproducible
     independent of what else runs in the batch.
+
+    Constraints on the next token (vLLM's order, `logits_processors.py`), applied
+    after the raw logprobs are taken: `allowed_token_ids` (only these), `bad_words_token_ids`
+    (a word's last token is banned where the output ends with the rest of it),
+    `min_tokens` (EOS and stop tokens banned until that many tokens were generated;
+    stop strings are not checked either), `logit_bias` ((token, bias) added to the
+    logit). `structured_outputs` constrains the whole output (a grammar); its mask
+    comes first, before the logprobs, as vLLM applies it. `prompt_logprobs`: the
+    number of top alternatives returned with each prompt token's logprob (None: none).
+    `skip_special_tokens` / `spaces_between_special_tokens`: how output text is
+    detokenized (the latter matters only to decoders that put spaces between
+    special tokens; byte-level BPE vocabularies render the same either way).
     """
 
     max_tokens: int = 16
@@ -32,6 +48,14 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -39,6 +63,28 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @cached_property
+    def constrains_logits(self) -> bool:
+        """Whether `logits_processors.apply_logits_processors` has work for this request."""
+        return bool(self.min_tokens or self.logit_bias or self.bad_words_token_ids
+                    or self.allowed_token_ids is not None)
+
+    @cached_property
+    def index_tensors(self) -> dict:
+        """CPU tensors of the id lists the sampler applies on every step, built once:
+        "allowed" (allowed_token_ids), "bias_ids" and "bias" (logit_bias), "banned"
+        (single-token bad words)."""
+        import torch
+
+        out = {}
+        if self.allowed_token_ids is not None:
+            out["allowed"] = torch.tensor(self.allowed_token_ids, dtype=torch.long)
+        if self.logit_bias:
+            out["bias_ids"] = torch.tensor([t for t, _ in self.logit_bias], dtype=torch.long)
+            out["bias"] = torch.tensor([b for _, b in self.logit_bias], dtype=torch.float32)
+        out["banned"] = [w[0] for w in self.bad_words_token_ids if len(w) == 1]
+        return out
 
     def validate(self) -> None:
         """Raise ValueError with a user-facing message for invalid values."""
@@ -64,3 +110,18 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias: token {token} with bias {bias}; token ids are "
+                                 f"non-negative and biases in [-100, 100]")
+        if any(not word or min(word) < 0 for word in self.bad_words_token_ids):
+            raise ValueError("bad_words: every word needs at least one valid token id")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids or min(self.allowed_token_ids) < 0):
+            raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], "
+                             f"got {self.prompt_logprobs}")

@@ -64,8 +64,8 @@ class Added(msgspec.Struct, tag="added", array_like=True):
 
 class Outputs(msgspec.Struct, tag="outputs", array_like=True):
     """One step's outputs, and how many requests the scheduler runs after it. A step that
-    finishes a request carries the metrics too: a client that reads /metrics after its
-    answer sees the request counted."""
+    finishes a request or changes the running or waiting count carries the metrics too:
+    a client that reads /metrics after its answer sees the request counted."""
 
     outputs: list[RequestOutput]
     num_running: int

@@ -6,8 +6,9 @@ The loop, each turn:
   2. if any request is unfinished, run one engine step and send all its outputs in one
      message, with the running count the API process sizes its waiting room from;
   3. push the Prometheus exposition when something changed and METRICS_INTERVAL_S has
-     passed since the last push, or with the outputs of a step that finished a request,
-     so a scrape in the API process never waits for a step (a prefill step takes seconds
+     passed since the last push, or with the outputs of a step that finished a request
+     or changed the running or waiting count (gauges a client reads right after its
+     answer, or a gateway balances on), so a scrape in the API process never waits for a step (a prefill step takes seconds
      on CPU; gateways scrape with a 0.5 s timeout). Rendering it costs ~1.5 ms.
 KV events are published from this process, right after the step that made them.
 The process ends on Shutdown, when its parent dies (PR_SET_PDEATHSIG), or on a crash,
@@ -72,6 +73,10 @@ class CoreSpec:
 def run_engine_core(spec: CoreSpec) -> None:
     """Entry point of the core process."""
     _die_with_parent()
+    # Set before torch loads OpenMP. Spinning threads wait for a preempted peer at every
+    # parallel region: with the API process (or a neighbour) taking a core, a batch-32
+    # decode step took 640-960 ms spinning and 180-240 ms sleeping (docs/benchmarks.md).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     logging.basicConfig(level=spec.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context()
@@ -117,6 +122,7 @@ class EngineCore:
                                cfg.scheduler.max_waiting_requests)
         self._changed = True
         self._last_metrics = 0.0
+        self._counts = (0, 0)  # (running, waiting) as of the last metrics sent
 
     def run(self, inp: zmq.Socket, out: zmq.Socket) -> None:
         parent = os.getppid()
@@ -134,9 +140,12 @@ class EngineCore:
                 self._changed = True
                 if self.publisher is not None:
                     self.publisher.publish(self.llm.kv.take_events())
-                metrics = self._metrics() if any(o.finished for o in outputs) else None
-                out.send(encoder.encode(Outputs(outputs, len(self.llm.scheduler.running),
-                                                metrics)))
+                sched = self.llm.scheduler
+                counts = (len(sched.running), len(sched.waiting))
+                metrics = None
+                if counts != self._counts or any(o.finished for o in outputs):
+                    metrics, self._counts = self._metrics(), counts
+                out.send(encoder.encode(Outputs(outputs, counts[0], metrics)))
             if self._changed and time.monotonic() - self._last_metrics >= METRICS_INTERVAL_S:
                 out.send(encoder.encode(Metrics(self._metrics())))
 

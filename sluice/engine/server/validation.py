@@ -38,7 +38,8 @@ class Limits:
         return self.max_model_len * MAX_CHARS_PER_TOKEN
 
 
-async def completion_prompts(prompt: str | list, tokenizer, limits: Limits) -> list[list[int]]:
+async def completion_prompts(prompt: str | list, tokenizer, limits: Limits,
+                             add_special_tokens: bool = True) -> list[list[int]]:
     """The four OpenAI prompt forms (text, texts, ids, lists of ids) as checked id lists."""
     items: list = [prompt] if isinstance(prompt, str) else list(prompt)
     if not items:
@@ -55,7 +56,8 @@ async def completion_prompts(prompt: str | list, tokenizer, limits: Limits) -> l
             if tokenizer is None:
                 raise RequestError("this model has no tokenizer; send token ids", "prompt")
             check_text_size(len(p), limits, "prompt")
-            ids = await tokenize(lambda p=p: tokenizer.encode(p), len(p), "prompt")
+            ids = await tokenize(lambda p=p: tokenizer.encode(p, add_special_tokens), len(p),
+                                 "prompt")
         else:
             ids = list(p)
             # Length first: it bounds the vocabulary scan by the context, not the body.
@@ -146,3 +148,11 @@ def text_chars(value: Any) -> int:
         elif isinstance(item, (list, tuple)):
             stack.extend(item)
     return total
+
+
+def check_ids_in_vocab(ids: list[int] | tuple[int, ...] | None, vocab_size: int,
+                       param: str) -> None:
+    """Token ids a request names (logit_bias, allowed_token_ids) must index the logits."""
+    bad = next((t for t in ids or () if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"token id {bad} is not in the vocabulary [0, {vocab_size})", param)
