@@ -35,14 +35,15 @@ def test_bf16_decodes_match_float32():
 
 
 def test_decodes_equal_dense_attention_over_their_own_blocks():
-    """The blockwise decode against softmax(q K^T) V written out per sequence and head, over
-    shuffled tables, partial last blocks, and a mix of prefill chunks in the same step."""
+    """Blockwise attention (decodes and few-row steps, padded to the step's most rows) and
+    the SDPA prefill path against softmax(q K^T) V written out per sequence, row and head,
+    over shuffled tables and partial last blocks, all in one step."""
     gen = torch.Generator().manual_seed(1)
     num_blocks, block_size, kv_heads, group, head_dim = 64, 16, 3, 3, 32
     cache = torch.randn(kv_cache_shape(num_blocks, block_size, kv_heads, head_dim), generator=gen)
     perm = torch.randperm(num_blocks, generator=gen).tolist()
-    lens = [1, 16, 17, 45, 130, 9]
-    q_lens = [1, 1, 1, 5, 1, 9]  # two prefill chunks among the decodes
+    lens = [1, 16, 17, 45, 130, 9, 60]
+    q_lens = [1, 1, 1, 5, 1, 9, 30]  # multi-row (speculative-style) steps and a prefill chunk
     tables = [[perm.pop() for _ in range(-(-n // block_size))] for n in lens]
     starts = [0]
     for n in q_lens:
@@ -52,7 +53,7 @@ def test_decodes_equal_dense_attention_over_their_own_blocks():
         slot_mapping=torch.zeros(starts[-1], dtype=torch.long),
         query_start_loc=torch.tensor(starts, dtype=torch.int32),
         seq_lens=torch.tensor(lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (9 - len(t)) for t in tables], dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (10 - len(t)) for t in tables], dtype=torch.int32),
         query_start_loc_cpu=starts, seq_lens_cpu=lens)
     got = TorchAttentionBackend().attend(q, cache, meta, 0.2)
     for i, (n, table) in enumerate(zip(lens, tables)):

@@ -1,22 +1,26 @@
 """Paged attention in plain PyTorch: the CPU backend, and the reference the GPU kernels are
 tested against.
 
-Decodes (one query token each) are batched into one blockwise computation that reads
-each KV block in place of a gathered per-sequence copy:
+Sequences with few query tokens (decodes, and the k+1 rows a speculative step verifies:
+up to MAX_BLOCKWISE_QUERIES) are batched into one blockwise computation that reads each
+KV block in place of a gathered per-sequence copy:
 
-  1. every decode's blocks, in table order, are listed once per step (`DecodePlan`);
-  2. scores: each block's [block_size, head_dim] key tile times its sequence's query
-     heads, one batched matmul over (block, kv_head);
-  3. the scores (small: tokens x heads) are laid out padded per sequence, masked past
-     its length, and softmaxed in float32;
+  1. every such sequence's blocks, in table order, are listed once per step (`BlockPlan`);
+  2. scores: each block's [block_size, head_dim] key tile times its sequence's query rows
+     (all of them at once), one batched matmul over (block, kv_head);
+  3. the scores (small: rows x keys) are laid out padded per sequence, masked causally
+     (query row r of a q-row step sees the first seq_len - q + r + 1 keys), and softmaxed
+     in float32;
   4. each block's probabilities times its value tile, summed per sequence in float32.
 
 Only steps 2 and 4 touch K/V, each reading a block once. Measured against gathering
 [B, L, kv_heads, head_dim] copies and multiplying those: 2.6 vs 11-17 ms per layer for
-32 decodes at 150-550 tokens of context (bfloat16, one thread).
+32 decodes at 150-550 tokens of context (bfloat16, one thread). Sequences with fewer rows
+than the step's most are padded with copies of their last row (same query, same keys:
+the same output, written twice).
 
-Prefill chunks run one sequence at a time through SDPA (4-D inputs take CPU SDPA's
-flash kernel) with a causal mask offset by the cached prefix.
+Longer query spans (prefill chunks) run one sequence at a time through SDPA (4-D inputs
+take CPU SDPA's flash kernel) with a causal mask offset by the cached prefix.
 """
 
 from __future__ import annotations
@@ -28,47 +32,54 @@ import torch.nn.functional as F
 
 from sluice.engine.attention.backend import AttentionBackend, AttentionMetadata
 
+MAX_BLOCKWISE_QUERIES = 16
+
 
 @dataclass(frozen=True)
-class DecodePlan:
-    """Index tensors of one step's decodes, shared by every layer."""
+class BlockPlan:
+    """Index tensors of one step's few-query sequences, shared by every layer."""
 
-    rows: torch.Tensor  # [B] query row of each decode
-    blocks: torch.Tensor  # [N] the decodes' cache blocks, sequence by sequence, table order
-    seq_of_block: torch.Tensor  # [N] decode (0..B-1) owning each listed block
+    rows: torch.Tensor  # [B, Q] query rows of each sequence, the last repeated as padding
+    blocks: torch.Tensor  # [N] the sequences' cache blocks, sequence by sequence, table order
+    seq_of_block: torch.Tensor  # [N] sequence (0..B-1) owning each listed block
     padded_index: torch.Tensor  # [N] position of each block in a [B, width] padded layout
-    key_mask: torch.Tensor  # [B, width * block_size] True where a key is inside the context
-    width: int  # blocks of the longest decode
+    key_mask: torch.Tensor  # [B, Q, width * block_size] True where row r may see the key
+    width: int  # blocks of the longest sequence
 
 
 @dataclass(frozen=True)
 class StepPlan:
     write_blocks: torch.Tensor  # [num_tokens] cache block of each new token
     write_offsets: torch.Tensor  # [num_tokens] offset inside that block
-    decode: DecodePlan | None
-    prefills: tuple[int, ...]  # sequences with more than one query token
+    blockwise: BlockPlan | None
+    prefills: tuple[int, ...]  # sequences with more than MAX_BLOCKWISE_QUERIES query rows
 
 
 def build_plan(meta: AttentionMetadata, block_size: int) -> StepPlan:
     starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-    decodes = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1]
-    prefills = tuple(i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] > 1)
+    q_lens = [starts[i + 1] - starts[i] for i in range(meta.num_seqs)]
+    few = [i for i, q in enumerate(q_lens) if 1 <= q <= MAX_BLOCKWISE_QUERIES]
+    prefills = tuple(i for i, q in enumerate(q_lens) if q > MAX_BLOCKWISE_QUERIES)
     slots = meta.slot_mapping.long()
-    decode = None
-    if decodes:
-        num_blocks = torch.tensor([-(-lens[i] // block_size) for i in decodes])
+    plan = None
+    if few:
+        num_q = max(q_lens[i] for i in few)
+        num_blocks = torch.tensor([-(-lens[i] // block_size) for i in few])
         width = int(num_blocks.max())
-        tables = meta.block_tables[torch.tensor(decodes), :width].long()
+        tables = meta.block_tables[torch.tensor(few), :width].long()
         listed = torch.arange(width).unsqueeze(0) < num_blocks.unsqueeze(1)  # [B, width]
-        seq_lens = torch.tensor([lens[i] for i in decodes]).unsqueeze(1)
-        decode = DecodePlan(
-            rows=torch.tensor([starts[i] for i in decodes]),
+        r = torch.arange(num_q)
+        q_len = torch.tensor([q_lens[i] for i in few]).unsqueeze(1)  # [B, 1]
+        r = torch.minimum(r.unsqueeze(0), q_len - 1)  # [B, Q]: padding repeats the last row
+        seen = torch.tensor([lens[i] for i in few]).unsqueeze(1) - q_len + r + 1  # keys per row
+        plan = BlockPlan(
+            rows=torch.tensor([starts[i] for i in few]).unsqueeze(1) + r,
             blocks=tables[listed],
-            seq_of_block=torch.arange(len(decodes)).repeat_interleave(num_blocks),
+            seq_of_block=torch.arange(len(few)).repeat_interleave(num_blocks),
             padded_index=listed.flatten().nonzero().squeeze(1),
-            key_mask=torch.arange(width * block_size).unsqueeze(0) < seq_lens,
+            key_mask=torch.arange(width * block_size).view(1, 1, -1) < seen.unsqueeze(2),
             width=width)
-    return StepPlan(slots // block_size, slots % block_size, decode, prefills)
+    return StepPlan(slots // block_size, slots % block_size, plan, prefills)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -82,8 +93,9 @@ class TorchAttentionBackend(AttentionBackend):
     def attend(self, q, kv_cache, meta, scale):
         plan = self._plan(kv_cache, meta)
         out = torch.empty_like(q)
-        if plan.decode is not None:
-            out[plan.decode.rows] = _decode(q[plan.decode.rows], kv_cache, plan.decode, scale)
+        if plan.blockwise is not None:
+            rows = plan.blockwise.rows
+            out[rows] = _blockwise(q[rows], kv_cache, plan.blockwise, scale)
         starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         for i in plan.prefills:
             q_start, q_end, seq_len = starts[i], starts[i + 1], lens[i]
@@ -98,29 +110,32 @@ class TorchAttentionBackend(AttentionBackend):
         return meta.plan
 
 
-def _decode(q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan,
-            scale: float) -> torch.Tensor:
-    """q: [B, heads, head_dim] (one token per decode) -> [B, heads, head_dim]."""
-    num_seqs, num_heads, head_dim = q.shape
+def _blockwise(q: torch.Tensor, kv_cache: torch.Tensor, plan: BlockPlan,
+               scale: float) -> torch.Tensor:
+    """q: [B, Q, heads, head_dim] (each sequence's query rows) -> the same shape."""
+    num_seqs, num_q, num_heads, head_dim = q.shape
     _, _, kv_heads, block_size, _ = kv_cache.shape
     group = num_heads // kv_heads
+    rows = num_q * group  # a block's query rows per KV head: (query, head in group)
     k = kv_cache[0].index_select(0, plan.blocks)  # [N, kv_heads, block_size, head_dim]
     v = kv_cache[1].index_select(0, plan.blocks)
-    q_blocks = q.view(num_seqs, kv_heads, group, head_dim).index_select(0, plan.seq_of_block)
-    scores = torch.matmul(q_blocks, k.transpose(-1, -2))  # [N, kv_heads, group, block_size]
-    padded = scores.new_full((num_seqs * plan.width, kv_heads, group, block_size),
+    q = q.view(num_seqs, num_q, kv_heads, group, head_dim).transpose(1, 2).reshape(
+        num_seqs, kv_heads, rows, head_dim)
+    scores = torch.matmul(q.index_select(0, plan.seq_of_block), k.transpose(-1, -2))
+    padded = scores.new_full((num_seqs * plan.width, kv_heads, rows, block_size),
                              float("-inf"), dtype=torch.float32)
     padded.index_copy_(0, plan.padded_index, scores.float())
-    padded = padded.view(num_seqs, plan.width, kv_heads, group, block_size).permute(
-        0, 2, 3, 1, 4).reshape(num_seqs, kv_heads, group, plan.width * block_size)
-    padded.masked_fill_(~plan.key_mask[:, None, None, :], float("-inf"))
+    padded = padded.view(num_seqs, plan.width, kv_heads, rows, block_size).permute(
+        0, 2, 3, 1, 4).reshape(num_seqs, kv_heads, num_q, group, plan.width * block_size)
+    padded.masked_fill_(~plan.key_mask[:, None, :, None, :], float("-inf"))
     probs = (padded * scale).softmax(dim=-1).to(q.dtype)
-    probs = probs.view(num_seqs, kv_heads, group, plan.width, block_size).permute(
-        0, 3, 1, 2, 4).reshape(num_seqs * plan.width, kv_heads, group, block_size)
-    partial = torch.matmul(probs.index_select(0, plan.padded_index), v)  # [N, kv_heads, g, d]
-    out = torch.zeros((num_seqs, kv_heads, group, head_dim), dtype=torch.float32)
+    probs = probs.view(num_seqs, kv_heads, rows, plan.width, block_size).permute(
+        0, 3, 1, 2, 4).reshape(num_seqs * plan.width, kv_heads, rows, block_size)
+    partial = torch.matmul(probs.index_select(0, plan.padded_index), v)  # [N, kvh, rows, d]
+    out = torch.zeros((num_seqs, kv_heads, rows, head_dim), dtype=torch.float32)
     out.index_add_(0, plan.seq_of_block, partial.float())
-    return out.view(num_seqs, num_heads, head_dim).to(q.dtype)
+    return out.view(num_seqs, kv_heads, num_q, group, head_dim).transpose(1, 2).reshape(
+        num_seqs, num_q, num_heads, head_dim).to(q.dtype)
 
 
 def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
