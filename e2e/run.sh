@@ -2,7 +2,8 @@
 # End to end on kind: build the three images, create a cluster, install the chart,
 # apply a CPU pool with the default model and send a chat request through the gateway
 # (Envoy, asking the endpoint picker `sluice epp` which engine pod serves it).
-# Needs: docker, kind, kubectl, helm, curl. Not run by CI (see e2e/README.md).
+# Needs: docker, kind, kubectl, helm, curl. Run by the release workflow, not by .ci/run
+# (see e2e/README.md).
 set -euo pipefail
 
 CLUSTER="${CLUSTER:-sluice-e2e}"

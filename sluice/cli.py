@@ -19,6 +19,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("operator",), "sluice.operator.cli", "run the Kubernetes operator (kopf)"),
     (("bench", "engine"), "sluice.bench.engine", "offline engine throughput / latency"),
     (("bench", "serve"), "sluice.bench.serve", "drive an OpenAI endpoint with a workload"),
+    (("bench", "soak"), "sluice.bench.soak", "long mixed load through the local stack, with faults"),
     (("bench", "step"), "sluice.bench.step_profile", "where a decode step's time goes"),
     (("bench", "structured"), "sluice.bench.structured",
      "what structured outputs add to a decode step"),

@@ -7,14 +7,38 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch
-
-# The suite shares two cores with the engine processes it starts; one thread
-# each avoids OpenMP oversubscription, which stalls every op.
-torch.set_num_threads(1)
-
-if not torch.cuda.is_available():  # Triton kernels run in Triton's interpreter on CPU
+# No torch here: the gateway's and the operator's tests must collect and run without it
+# (their images carry none; tests/test_import_boundaries.py checks). Without a CUDA device,
+# Triton kernels run in Triton's interpreter; it reads this when a kernel is defined.
+if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# Slow tests carry `pytest.mark.slow` in their file (`make test-fast` deselects them). These
+# whole modules get it here, their files being the engine's owners' to edit: each of their
+# tests starts engine processes or runs transformers.
+SLOW_MODULES = {
+    "test_engine_core.py": "an engine core process per test",
+    "test_engine_server.py": "engine processes",
+    "test_engine_openai_extras.py": "engine processes",
+    "test_engine_hostile_input.py": "an engine process, fuzzed",
+    "test_engine_vs_transformers.py": "transformers and the engine on three model families",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Once some test module has imported torch: one torch thread. The suite shares two cores
+    with the engine processes it starts; more threads oversubscribe them and stall every op."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

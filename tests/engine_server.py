@@ -20,11 +20,11 @@ class EngineProcess:
         cmd = [sys.executable, "-m", "sluice.cli", "engine", "--port", str(self.port),
                "--log-level", "warning", *args]
         self.log_path = log_path or Path(f"/tmp/sluice-engine-{self.port}.log")
-        self._log = open(self.log_path, "w")
         # One torch thread per engine: oversubscribed OpenMP threads on a shared
         # 2-core machine make each step tens of times slower.
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        with open(self.log_path, "w") as log:  # the child holds its own copy of the file
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout: float = 120.0) -> EngineProcess:
         deadline = time.time() + timeout
@@ -44,7 +44,7 @@ class EngineProcess:
         """Sum of a metric's samples in /metrics whose labels contain `label`."""
         total = 0.0
         for line in httpx.get(self.url + "/metrics", timeout=5).text.splitlines():
-            if (line.startswith(name + "{") or line.startswith(name + " ")) and label in line:
+            if line.startswith((name + "{", name + " ")) and label in line:
                 total += float(line.rsplit(" ", 1)[1])
         return total
 
@@ -55,4 +55,3 @@ class EngineProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        self._log.close()

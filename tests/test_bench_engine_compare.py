@@ -60,6 +60,7 @@ def fake_vllm_env(tmp_path, monkeypatch):
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.slow  # an engine benchmark run
 def test_serving_runs_the_same_requests_on_both_and_reports_ratios(tmp_path):
     slow, fast = {"model": "v"}, {"model": "s"}
     out = tmp_path / "serving.json"
@@ -134,6 +135,7 @@ def test_a_vllm_that_fails_to_start_is_reported_with_its_log(fake_vllm_env, monk
         main(["bench", "engine", "--mode", "serving", "--compare", "vllm", *flags])
 
 
+@pytest.mark.slow  # an engine benchmark run
 def test_offline_runs_the_same_workload_on_vllm_then_sluice(fake_vllm_env, tmp_path):
     record, model_dir, flags = fake_vllm_env
     out = tmp_path / "offline.json"
@@ -188,6 +190,7 @@ def test_levels_workload_and_engine_flags():
                                                 "--no-prefix-caching", "--num-threads", "2"]
 
 
+@pytest.mark.slow  # the default model through transformers
 def test_gguf_export_is_the_same_model_and_tokenizer_for_transformers(tmp_path):
     """vLLM reads the folder with transformers: its config, tokenizer and weights must be
     exactly what Sluice builds from the GGUF (weights: the engine's bf16 cast)."""

@@ -4,6 +4,8 @@ import argparse
 import json
 import random
 
+import pytest
+
 from sluice.bench import serve
 from sluice.bench.serve_client import Result
 from sluice.bench.serve_stats import summarize
@@ -41,6 +43,7 @@ def test_summarize_percentiles():
     assert abs(s["itl_ms"]["mean"] - 10) < 1e-9
 
 
+@pytest.mark.slow  # a local stack, run twice
 def test_compare_on_local_stack(tiny_chat_model, tmp_path):
     p = argparse.ArgumentParser()
     serve.add_arguments(p)
@@ -68,6 +71,7 @@ def test_compare_on_local_stack(tiny_chat_model, tmp_path):
         assert {r["pod"] for r in reqs} == set(run["requests_per_pod"])
 
 
+@pytest.mark.slow  # Envoy, picker and Redis processes, 4 x 60 requests
 def test_overhead_benchmark_runs_end_to_end():
     """`python -m sluice.bench.serve_overhead` at a small scale: real processes, every
     request answered along every path, and the report's figures consistent."""

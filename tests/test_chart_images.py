@@ -57,3 +57,38 @@ def test_gateway_image_runs_the_picker_and_can_render_envoys_config():
 
 def test_e2e_script_parses():
     subprocess.run(["bash", "-n", str(ROOT / "e2e/run.sh")], check=True)
+
+
+def _admitted(path: str, ignore: list[str]) -> bool:
+    """Whether BuildKit sends `path` (relative to the context) given the .dockerignore
+    `ignore` lines: the last matching pattern decides; `!` re-admits (enough of Go's
+    filepath.Match for these files: `*`, `**/`, a folder pattern covering what is in it)."""
+    admitted = True
+    for line in ignore:
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        negate, pattern = line.startswith("!"), line.lstrip("!").rstrip("/")
+        regex = re.escape(pattern).replace(r"\*\*/", "(?:.*/)?").replace(r"\*", "[^/]*")
+        if re.fullmatch(f"{regex}(?:/.*)?", path):
+            admitted = negate
+    return admitted
+
+
+@pytest.mark.parametrize("path", IMAGES)
+def test_every_copy_source_exists_and_is_in_the_build_context(path):
+    """`COPY src... dest` from the context (the repository root): each source is there and
+    its .dockerignore lets it through."""
+    text = (ROOT / path).read_text()
+    ignore = (ROOT / f"{path}.dockerignore").read_text().splitlines()
+    copies = re.findall(r"^COPY (?!--from=)(.+)$", text, re.MULTILINE)
+    assert copies
+    for copy in copies:
+        *sources, _ = copy.split()
+        for source in sources:
+            assert (ROOT / source).exists(), f"{path}: COPY {source}: no such file"
+            assert _admitted(source.rstrip("/"), ignore), f"{path}: {source} is ignored"
+    # the packages `pip install .` builds are the ones copied
+    assert "COPY sluice ./sluice" in text and "COPY pyproject.toml README.md ./" in text
+    assert not _admitted("tests/conftest.py", ignore) and not _admitted(".venv/bin/x", ignore)
+    assert not _admitted("sluice/__pycache__/cli.cpython-311.pyc", ignore)

@@ -18,6 +18,8 @@ from sluice.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from sluice.engine.llm_engine import LLMEngine
 from sluice.engine.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow  # an engine through Triton's interpreter
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -13,6 +13,8 @@ from sluice.engine.llm_engine import LLMEngine
 from sluice.engine.sampling_params import SamplingParams
 from sluice.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow  # the real default model (135M) through the engine
+
 
 @pytest.fixture(scope="module")
 def default_engine():

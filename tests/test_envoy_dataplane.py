@@ -270,6 +270,7 @@ class Stubs:
         self.run(self.server.stop(0))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+        self.loop.close()
 
 
 def dead_endpoint() -> str:

@@ -21,6 +21,8 @@ from sluice.gateway.prompt.block_keys import request_keys
 from sluice.gateway.prompt.tokenize import PromptTokenizer
 from sluice.gateway.routing.config import RoutingConfig
 
+pytestmark = pytest.mark.slow  # engine processes behind the picker
+
 MODEL = "tiny-chat"
 SYSTEM = ("You are a meticulous assistant. " * 30).strip()
 

@@ -101,6 +101,7 @@ def _assert_matches_transformers(
     return config, ours, seconds
 
 
+@pytest.mark.slow  # the default model through transformers
 def test_bundled_smollm2_matches_transformers() -> None:
     config, ours, seconds = _assert_matches_transformers(
         resolve_default_model(), "llama", fast=True
@@ -229,6 +230,7 @@ def _write_gguf(
         ("qwen3", {"qk_norm": True, "head_dim": 128, "heads": 2, "kv_heads": 1}),
     ],
 )
+@pytest.mark.slow  # transformers' GGUF loading, per architecture
 def test_synthetic_checkpoints_match_transformers(tmp_path, arch: str, options: dict) -> None:
     path = str(tmp_path / f"{arch}.gguf")
     written = _write_gguf(path, arch, **options)

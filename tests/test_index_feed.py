@@ -6,6 +6,7 @@ import time
 import pytest
 import redis
 import zmq
+from polling import eventually, wait_for
 from redis_server import RedisServer
 
 from sluice import index_keys as ik
@@ -58,16 +59,18 @@ def make_index(port):
                        lookup_timeout_s=2.0)
 
 
-def wait_for(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    raise AssertionError("condition not reached")
-
-
 LOOP = asyncio.new_event_loop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_loop():
+    yield
+    LOOP.close()
+
+
+def spec_entries(index, pod):
+    """`pod`'s speculative entries in Redis (what a flush writes)."""
+    return index.redis.sync.zcard(ik.pod_spec_key(pod))
 
 
 def restarted_publisher(source):
@@ -247,14 +250,17 @@ def test_speculative_entries_expire(srv):
 
     async def go():
         index.speculate("a:1", keys[:3], ttl_ms=1500)
-        await asyncio.sleep(index.flush_after_s + 0.1)  # sent to Redis
+        await eventually(lambda: spec_entries(index, "a:1") == 3, what="sent to Redis")
         index.local.clear("a:1")  # only Redis may answer now
         h1 = (await index.lookup(keys, ["a:1", "b:2"]))[0]
-        await asyncio.sleep(1.6)
-        h2 = (await index.lookup(keys, ["a:1", "b:2"]))[0]
-        return h1, h2
 
-    assert LOOP.run_until_complete(go()) == ({"a:1": 3}, {})
+        async def expired():
+            return (await index.lookup(keys, ["a:1", "b:2"]))[0] == {}
+
+        await eventually(expired, timeout=5.0, what="expired after its 1.5 s TTL")
+        return h1
+
+    assert LOOP.run_until_complete(go()) == {"a:1": 3}
 
 
 def test_a_shorter_speculation_never_cuts_a_longer_one_short(srv):
@@ -265,7 +271,7 @@ def test_a_shorter_speculation_never_cuts_a_longer_one_short(srv):
 
     async def go():
         index.speculate("a:1", keys[:3], ttl_ms=60_000)
-        await asyncio.sleep(index.flush_after_s + 0.1)
+        await eventually(lambda: spec_entries(index, "a:1") == 3, what="flushed")
         other.speculate("a:1", keys[:3], ttl_ms=300)
         await asyncio.sleep(other.flush_after_s + 0.5)  # past the short TTL
         index.local.clear("a:1")  # Redis answers
@@ -310,7 +316,7 @@ def test_a_speculation_without_a_lookup_after_it_is_flushed_alone(srv):
     async def go():
         index.speculate("a:1", keys[:2], ttl_ms=60_000)
         queued = index.redis.sync.zcard(spec_key)
-        await asyncio.sleep(index.flush_after_s + 0.2)
+        await eventually(lambda: index.redis.sync.zcard(spec_key) == 2, what="flushed alone")
         return queued, index.redis.sync.zcard(spec_key), index.redis.pending
 
     assert LOOP.run_until_complete(go()) == (0, 2, 0)
@@ -323,7 +329,7 @@ def test_own_speculations_count_before_they_reach_redis(srv):
 
     async def go():
         other.speculate("b:2", keys[:2], ttl_ms=60_000)
-        await asyncio.sleep(other.flush_after_s + 0.2)  # in Redis
+        await eventually(lambda: spec_entries(other, "b:2") == 2, what="in Redis")
         index.speculate("b:2", keys[2:], ttl_ms=60_000)  # continues b's run
         index.speculate("a:1", keys[:1], ttl_ms=60_000)
         assert index.redis.pending == 2  # none flushed yet
@@ -709,7 +715,7 @@ def test_a_re_sync_keeps_every_replicas_speculative_entries(srv):
 
     async def go():
         other.speculate("a:1", keys, ttl_ms=60_000)
-        await asyncio.sleep(other.flush_after_s + 0.2)
+        await eventually(lambda: spec_entries(other, "a:1") == len(keys), what="flushed")
 
     LOOP.run_until_complete(go())
     redis.Redis(port=srv.port).delete(ik.pod_seq_key("a:1"))  # so the re-sync is due

@@ -186,8 +186,14 @@ def replica(port: int) -> tuple[EventFeeder, PodState]:
 
 def redis_hits(port: int, tokens: list[int]) -> dict[str, int]:
     index = RedisIndex.from_url(f"redis://127.0.0.1:{port}/0", 1.0)
-    return asyncio.new_event_loop().run_until_complete(
-        index.lookup(request_keys(MODEL, BS, tokens), [POD], 0))[0]
+
+    async def lookup():
+        try:
+            return (await index.lookup(request_keys(MODEL, BS, tokens), [POD], 0))[0]
+        finally:
+            await index.aio.aclose()
+
+    return asyncio.run(lookup())
 
 
 def old_engine(port: int, last_seq: int) -> None:

@@ -5,6 +5,7 @@ import time
 
 import pytest
 import zmq
+from polling import wait_for
 
 from sluice.engine.kv_publisher import KVEventPublisher
 from sluice.gateway.events.sockets import connect
@@ -51,8 +52,12 @@ def replay(sock, timeout_s=1.5):
 def test_a_replay_without_the_key_gets_nothing(publisher, keys, tmp_path):
     ctx = zmq.Context()
     _, replay_at = endpoints(publisher)
-    time.sleep(0.2)  # (the batch reached the replay buffer)
     try:
+        # the pickers' key replays the batch, once the publisher's thread has buffered it
+        frames = wait_for(lambda: replay(connect(ctx, zmq.DEALER, replay_at, keys))[:-1],
+                          what="the batch replayed to the pickers' key")
+        batch = decode_batch(frames[0][2])
+        assert batch.events[0].token_ids == SECRET_PROMPT
         assert replay(connect(ctx, zmq.DEALER, replay_at)) == []  # plain: refused
         init(str(tmp_path / "rogue"))  # a CURVE client with a key of its own
         rogue = ZmqSecurity(str(tmp_path / "rogue"))
@@ -62,9 +67,6 @@ def test_a_replay_without_the_key_gets_nothing(publisher, keys, tmp_path):
             str(tmp_path / "keys" / "server.key"))[0]
         sock.connect(replay_at)
         assert replay(sock) == []
-        frames = replay(connect(ctx, zmq.DEALER, replay_at, keys))  # the pickers' key
-        batch = decode_batch(frames[0][2])
-        assert batch.events[0].token_ids == SECRET_PROMPT
     finally:
         ctx.destroy(linger=0)
 

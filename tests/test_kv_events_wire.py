@@ -25,8 +25,9 @@ VLLM_BLOCK_REMOVED = ("block_hashes", "medium", "group_idx")
 
 
 def _stored(**kw):
-    base = dict(block_hashes=[2**63 + 5, -7], parent_block_hash=None, token_ids=[1, 2, 3, 4],
-                block_size=2, lora_id=None, medium="GPU", lora_name=None)
+    base = {"block_hashes": [2**63 + 5, -7], "parent_block_hash": None,
+            "token_ids": [1, 2, 3, 4], "block_size": 2, "lora_id": None, "medium": "GPU",
+            "lora_name": None}
     base.update(kw)
     return BlockStored(**base)
 

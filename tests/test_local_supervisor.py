@@ -10,6 +10,7 @@ import threading
 import time
 
 import httpx
+import pytest
 from test_local_up import start_up, wait_healthy
 
 from sluice.local.procs import Child
@@ -60,6 +61,7 @@ def _pid_of(*words: bytes) -> int:
     raise LookupError(words)
 
 
+@pytest.mark.slow  # a `sluice up` stack
 def test_a_killed_engine_is_restarted_while_the_other_keeps_streaming(tiny_chat_model):
     proc, url = start_up(tiny_chat_model, 2, "--num-kv-blocks 256 --max-model-len 1024",
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

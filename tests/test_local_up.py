@@ -8,7 +8,10 @@ import sys
 import time
 
 import httpx
+import pytest
 from engine_server import free_port
+
+pytestmark = pytest.mark.slow  # whole `sluice up` stacks: Redis, engines, picker, Envoy
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 120) -> None:

@@ -6,6 +6,7 @@ import time
 
 import pytest
 import redis
+from polling import eventually
 from redis_server import RedisServer
 
 from sluice import index_keys as ik
@@ -57,7 +58,8 @@ def test_a_decision_of_one_replica_reaches_the_others_view(srv):
     try:
         async def decide():
             a.speculate("b:2", KEYS[:4], ttl_ms=60_000)
-            await asyncio.sleep(a.flush_after_s + 0.1)  # flushed: written and published
+            await eventually(lambda: redis.Redis(port=srv.port).zcard(ik.pod_spec_key("b:2")),
+                             what="flushed: written (and published)")
         loop.run_until_complete(decide())
         until(lambda: b.local.lookup(KEYS, PODS, time.time() * 1000) == {"b:2": 4})
         found = loop.run_until_complete(b.lookup(KEYS, PODS))

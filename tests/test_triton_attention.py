@@ -19,6 +19,8 @@ from sluice.engine.attention.backend import AttentionMetadata, kv_cache_shape
 from sluice.engine.attention.torch_backend import TorchAttentionBackend
 from sluice.engine.attention.triton_backend import TritonAttentionBackend
 
+pytestmark = pytest.mark.slow  # on CPU every kernel runs in Triton's interpreter
+
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 DTYPES = [torch.bfloat16, torch.float16, torch.float32] if CUDA else [torch.float32]
