@@ -18,6 +18,9 @@ ROLE = "sluice.dev/role"
 
 MODEL_ANNOTATION = "sluice.dev/model"  # model names are not valid label values
 SPEC_HASH_ANNOTATION = "sluice.dev/spec-hash"
+# "true": the pod's KV-event sockets are CURVE servers; "false": plain (vLLM pools, which
+# cannot do CURVE, behind the NetworkPolicy). Absent: the picker's own default.
+KV_EVENTS_CURVE_ANNOTATION = "sluice.dev/kv-events-curve"
 
 ENGINE_NAME = "sluice-engine"
 OPERATOR_NAME = "sluice-operator"

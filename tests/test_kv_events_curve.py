@@ -96,3 +96,34 @@ def test_the_keys_folder_cli_writes_both_pairs(tmp_path):
     assert main(["init", str(tmp_path / "k")]) == 0
     names = sorted(p.name for p in (tmp_path / "k").iterdir())
     assert names == ["client.key", "client.key_secret", "server.key", "server.key_secret"]
+
+
+def test_one_picker_feeds_curve_engines_and_plain_vllm_pods(publisher, keys):
+    """Pods marked `sluice.dev/kv-events-curve: "false"` (vLLM pools) are read plain while
+    CURVE engines are read with the keys; a CURVE pod is never read without them."""
+    from sluice.gateway.events.feed import EventFeeder
+    from sluice.gateway.events.sockets import EventSource
+    from sluice.gateway.index.local_index import LocalIndex
+    from sluice.gateway.index.prefix_index import PrefixIndex
+
+    plain = KVEventPublisher("tcp://*:0", "tcp://*:0", topic="kv@vllm@m")
+    feeder = EventFeeder(PrefixIndex(LocalIndex(), None), security=keys)
+    keyless = EventFeeder(PrefixIndex(LocalIndex(), None))
+    feeder.start()
+    keyless.start()
+    try:
+        plain.publish([BlockStored(block_hashes=[2], parent_block_hash=None,
+                                   token_ids=[1, 2, 3, 4], block_size=4, lora_id=None,
+                                   medium="CPU", lora_name=None)])
+        feeder.add(EventSource("engine:1", "m", *endpoints(publisher), curve=True))
+        feeder.add(EventSource("vllm:1", "m", *endpoints(plain), curve=False))
+        keyless.add(EventSource("engine:1", "m", *endpoints(publisher), curve=True))
+        # Both replays arrive: one batch from each pod, one over CURVE and one plain.
+        wait_for(lambda: feeder.batches >= 2)
+        assert feeder.errors == 0
+        wait_for(lambda: keyless.errors == 1)  # refused, not connected in the clear
+        assert keyless.batches == 0 and "engine:1" not in keyless.pods()
+    finally:
+        feeder.stop()
+        keyless.stop()
+        plain.close()

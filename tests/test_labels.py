@@ -12,20 +12,20 @@ from k8s_store import selector_matches
 
 from sluice import labels
 from sluice.gateway.discovery import kubernetes as discovery
-from sluice.operator.render import render_pool
+from sluice.operator.render import RenderConfig, render_pool
 from sluice.operator.spec import PoolSpec
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "charts/sluice/examples").glob("pool-*.yaml"))
 
 
-def _pods(example: pathlib.Path) -> list[dict]:
+def _pods(example: pathlib.Path, config: RenderConfig = RenderConfig()) -> list[dict]:
     """Pods as the kubelet would run them from each rendered Deployment, in the shape the
     `kubernetes` client hands the discovery (snake_case)."""
     body = yaml.safe_load(example.read_text())
     body["metadata"].update(uid="uid-1", namespace="team-a")
     pods = []
-    for i, dep in enumerate(m for m in render_pool(PoolSpec.from_body(body))
+    for i, dep in enumerate(m for m in render_pool(PoolSpec.from_body(body), config)
                             if m["kind"] == "Deployment"):
         template = dep["spec"]["template"]
         ports = [{"name": p["name"], "container_port": p["containerPort"]}
@@ -57,9 +57,20 @@ def test_discovery_selects_and_reads_every_engine_pod_the_operator_renders(examp
             f"tcp://{ip}:{labels.KV_REPLAY_PORT}")
 
 
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_discovery_reads_which_pods_speak_curve_on_their_event_sockets(example):
+    """Sluice engines with the CURVE Secret say so; vLLM pods, and every pod without the
+    Secret, say their sockets are plain: one picker with keys reads both kinds."""
+    vllm = yaml.safe_load(example.read_text())["spec"]["engine"]["kind"] == "vllm"
+    for config, curve in ((RenderConfig(), False),
+                          (RenderConfig(kv_events_curve_secret="keys"), not vllm)):
+        for pod in _pods(example, config):
+            assert discovery.pod_endpoint(pod, "ns").events_curve is curve
+
+
 def test_one_owner_of_the_label_names():
     """No other module spells the engine pods' labels, annotation or names itself."""
-    owned = re.compile(r'"(sluice\.dev/(pool|role|model|spec-hash)|sluice-engine|sluice-operator)"')
+    owned = re.compile(r'"(sluice\.dev/(pool|role|model|spec-hash|kv-events-curve)|sluice-engine|sluice-operator)"')
     offenders = [str(path.relative_to(ROOT)) for path in (ROOT / "sluice").rglob("*.py")
                  if path.name != "labels.py" and owned.search(path.read_text())]
     assert offenders == []

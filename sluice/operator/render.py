@@ -216,6 +216,8 @@ def render_pod_template(pool: PoolSpec, role: RoleSpec, config: RenderConfig) ->
     return {
         "metadata": {"labels": labels.pod_labels(pool.name, role.name),
                      "annotations": {labels.MODEL_ANNOTATION: pool.model_name,
+                                     labels.KV_EVENTS_CURVE_ANNOTATION:
+                                         "true" if curve_args else "false",
                                      "prometheus.io/scrape": "true",
                                      "prometheus.io/port": str(labels.HTTP_PORT),
                                      "prometheus.io/path": "/metrics"}},

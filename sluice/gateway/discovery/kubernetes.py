@@ -70,7 +70,12 @@ def pod_endpoint(pod: Any, namespace: str) -> Endpoint | None:
                     pool=pod_labels.get(labels.POOL, ""),
                     namespace=_get(pod, "metadata", "namespace") or namespace,
                     events=f"tcp://{host}:{ports['kv-events']}",
-                    replay=f"tcp://{host}:{ports['kv-replay']}")
+                    replay=f"tcp://{host}:{ports['kv-replay']}",
+                    events_curve=_flag(annotations.get(labels.KV_EVENTS_CURVE_ANNOTATION)))
+
+
+def _flag(value: str | None) -> bool | None:
+    return {"true": True, "false": False}.get((value or "").lower())
 
 
 class KubernetesDiscovery:

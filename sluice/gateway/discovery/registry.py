@@ -124,7 +124,8 @@ class PodRegistry:
         self._adapters[ep.pod] = adapters
         self._seen.update(models)
         base = _base_model(models, adapters)
-        source = EventSource(ep.pod, base, ep.events, ep.replay) if ep.events else None
+        source = (EventSource(ep.pod, base, ep.events, ep.replay, ep.events_curve)
+                  if ep.events else None)
         pending = self._forget_later.pop(ep.pod, None)
         if pending is not None:  # back within the grace period
             pending.cancel()

@@ -23,6 +23,7 @@ class Endpoint:
     namespace: str = "default"
     events: str | None = None      # KV-event PUB endpoint, e.g. "tcp://host:5557"
     replay: str | None = None      # KV-event replay ROUTER endpoint
+    events_curve: bool | None = None  # CURVE on its event sockets; None: the picker's default
 
 
 OnChange = Callable[[list[Endpoint]], None]

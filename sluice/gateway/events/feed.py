@@ -170,7 +170,7 @@ class EventFeeder:
                 self.index.forget_pod(pod, gone)
 
     def _subscribe(self, source: EventSource, poller: zmq.Poller) -> PodState | None:
-        sub = self._connect(zmq.SUB, source.endpoint, source.pod, "routed on load and "
+        sub = self._connect(zmq.SUB, source, source.endpoint, "routed on load and "
                             "speculative entries only")
         if sub is None:
             return None
@@ -187,16 +187,24 @@ class EventFeeder:
     def _replay_socket(self, source: EventSource) -> zmq.Socket | None:
         if not source.replay_endpoint:
             return None
-        return self._connect(zmq.DEALER, source.replay_endpoint, source.pod, "no catch-up")
+        return self._connect(zmq.DEALER, source, source.replay_endpoint, "no catch-up")
 
-    def _connect(self, kind: int, endpoint: str, pod: str, consequence: str
+    def _connect(self, kind: int, source: EventSource, endpoint: str, consequence: str
                  ) -> zmq.Socket | None:
-        """`event_sockets.connect`; None (logged and counted) for a bad endpoint."""
+        """`event_sockets.connect`, with CURVE unless the pod says its sockets are plain;
+        None (logged and counted) for a bad endpoint or a CURVE pod without our keys."""
+        security = None if source.curve is False else self.security
+        if source.curve and security is None:
+            self.errors += 1
+            log.error("%s: its KV-event sockets need CURVE and this picker has no keys "
+                      "(--kv-events-curve-dir): %s", source.pod, consequence)
+            return None
         try:
-            return connect(self._ctx, kind, endpoint, self.security)
+            return connect(self._ctx, kind, endpoint, security)
         except zmq.ZMQError as err:
             self.errors += 1
-            log.error("%s: bad KV-event endpoint %r (%s): %s", pod, endpoint, err, consequence)
+            log.error("%s: bad KV-event endpoint %r (%s): %s", source.pod, endpoint, err,
+                      consequence)
             return None
 
     def _catch_up_new(self, state: PodState) -> None:

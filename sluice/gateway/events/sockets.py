@@ -76,6 +76,7 @@ class EventSource:
     model: str                   # served model name (seeds the request keys)
     endpoint: str                # e.g. tcp://10.0.0.5:5557
     replay_endpoint: str | None  # e.g. tcp://10.0.0.5:5558
+    curve: bool | None = None    # False: plain sockets even when the feeder has CURVE keys
 
 
 @dataclass
