@@ -29,6 +29,7 @@ HTTP_PORT = 8000
 KV_EVENTS_PORT = 5557
 KV_REPLAY_PORT = 5558
 PORTS = (("http", HTTP_PORT), ("kv-events", KV_EVENTS_PORT), ("kv-replay", KV_REPLAY_PORT))
+KV_TRANSFER_PORT = 14579  # prefill/decode pools: prefill engines serve KV blocks here
 
 
 def common_labels(pool: str) -> dict[str, str]:

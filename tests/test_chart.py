@@ -12,6 +12,8 @@ import pytest
 import yaml
 from k8s_tools import tool
 
+from sluice import labels
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "sluice"
 VERSIONS = ("1.30", "1.37")
@@ -265,7 +267,10 @@ def test_network_policies_keep_engines_redis_and_picker_private(default, gie):
         return {peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
                 for peer in rule["from"]}
 
-    http, events = policies["engines"]["ingress"]
+    http, events, disaggregated = policies["engines"]["ingress"]
+    assert disaggregated["from"] == [{"podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "sluice-engine", "sluice.dev/role": "decode"}}}]
+    assert {p["port"] for p in disaggregated["ports"]} == {8000, labels.KV_TRANSFER_PORT}
     assert components(http) == {"gateway", "picker", "operator"}
     assert {p["port"] for p in http["ports"]} == {8000}
     assert components(events) == {"picker"}  # the prompts' token ids: the picker only

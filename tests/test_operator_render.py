@@ -123,6 +123,33 @@ def test_disaggregated_pool_renders_one_deployment_and_pdb_per_role():
                                                         "readOnly": True}} in pod["volumes"]
 
 
+def test_prefill_engines_produce_kv_and_decode_engines_consume_it():
+    """Each role's --kv-transfer-config parses with the engine's own parser: prefill pods
+    serve their blocks on the kv-transfer port at the pod IP, decode pods pull them."""
+    from sluice.engine.kv_transfer.config import KVTransferConfig
+
+    deps = {d["metadata"]["labels"]["sluice.dev/role"]: d for d in _by_kind(render_pool(
+        PoolSpec.from_body(_example("pool-disaggregated.yaml"))))["Deployment"]}
+    for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        c = _container(deps[role])
+        text = c["args"][c["args"].index("--kv-transfer-config") + 1]
+        assert KVTransferConfig.from_json(text).kv_role == kv_role
+        config = json.loads(text)
+        assert config["kv_port"] == labels.KV_TRANSFER_PORT
+        assert config["kv_connector_extra_config"]["advertise_host"] == "$(POD_IP)"
+        assert {"name": "kv-transfer", "containerPort": labels.KV_TRANSFER_PORT,
+                "protocol": "TCP"} in c["ports"]
+        assert any(e["name"] == "POD_IP" for e in c["env"])  # what $(POD_IP) expands from
+    plain = _by_kind(render_pool(PoolSpec.from_body(_example("pool-cpu.yaml"))))
+    assert "--kv-transfer-config" not in _container(plain["Deployment"][0])["args"]
+    vllm_body = _example("pool-disaggregated.yaml")
+    vllm_body["spec"]["engine"] = {"kind": "vllm"}
+    for dep in _by_kind(render_pool(PoolSpec.from_body(vllm_body)))["Deployment"]:
+        args = _container(dep)["args"]
+        assert json.loads(args[args.index("--kv-transfer-config") + 1]) == {
+            "kv_connector": "NixlConnector", "kv_role": "kv_both"}
+
+
 def test_hf_source_with_sluice_engine_downloads_in_an_init_container():
     body = _example("pool-cpu.yaml")
     body["spec"]["model"]["source"] = {"huggingFace": {"repo": "HuggingFaceTB/SmolLM2-135M"}}

@@ -10,8 +10,15 @@ from __future__ import annotations
 import json
 import posixpath
 
-from sluice.labels import HTTP_PORT, KV_EVENTS_PORT, KV_REPLAY_PORT
-from sluice.operator.spec import HuggingFaceSource, ImageSource, PoolSpec, PvcSource
+from sluice.labels import HTTP_PORT, KV_EVENTS_PORT, KV_REPLAY_PORT, KV_TRANSFER_PORT
+from sluice.operator.spec import (
+    DECODE,
+    PREFILL,
+    HuggingFaceSource,
+    ImageSource,
+    PoolSpec,
+    PvcSource,
+)
 
 MODEL_CACHE_DIR = "/model-cache"
 PVC_MOUNT_DIR = "/models"
@@ -90,11 +97,30 @@ def vllm_args(pool: PoolSpec) -> list[str]:
     return args + list(e.args)
 
 
-def engine_command(pool: PoolSpec) -> tuple[list[str], list[str]]:
-    """(command, args) of the engine container."""
+def kv_transfer_config(pool: PoolSpec, role: str) -> dict | None:
+    """`--kv-transfer-config` of a prefill/decode pool's role (vLLM's JSON shape); None for
+    pools that serve whole requests. Sluice engines: prefill engines produce (serve their
+    blocks on KV_TRANSFER_PORT, advertised at the pod IP), decode engines consume (pull
+    them when a request names a prefill engine: the picker's `x-prefiller-host-port`).
+    vLLM pools use NIXL in both directions, as llm-d renders them."""
+    if not pool.disaggregated or role not in (PREFILL, DECODE):
+        return None
     if pool.engine.kind == "vllm":
-        return ["vllm", "serve"], vllm_args(pool)
-    return ["sluice"], sluice_args(pool)
+        return {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    return {"kv_connector": "SluiceConnector",
+            "kv_role": "kv_producer" if role == PREFILL else "kv_consumer",
+            "kv_ip": "0.0.0.0", "kv_port": KV_TRANSFER_PORT,
+            "kv_connector_extra_config": {"advertise_host": "$(POD_IP)"}}
+
+
+def engine_command(pool: PoolSpec, role: str = "") -> tuple[list[str], list[str]]:
+    """(command, args) of the engine container of `role`."""
+    command, args = ((["vllm", "serve"], vllm_args(pool)) if pool.engine.kind == "vllm"
+                     else (["sluice"], sluice_args(pool)))
+    transfer = kv_transfer_config(pool, role)
+    if transfer is not None:
+        args += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
+    return command, args
 
 
 def fetch_model_script() -> str:

@@ -175,16 +175,22 @@ def _container_security(pool: PoolSpec) -> dict[str, Any]:
             "seccompProfile": {"type": "RuntimeDefault"}}
 
 
+def _ports(pool: PoolSpec) -> tuple[tuple[str, int], ...]:
+    if pool.disaggregated and pool.engine.kind != "vllm":
+        return (*labels.PORTS, ("kv-transfer", labels.KV_TRANSFER_PORT))
+    return labels.PORTS
+
+
 def render_pod_template(pool: PoolSpec, role: RoleSpec, config: RenderConfig) -> Manifest:
     default = config.vllm_image if pool.engine.kind == "vllm" else config.engine_image
     image = pool.engine.image or default
-    command, args = engine_args.engine_command(pool)
+    command, args = engine_args.engine_command(pool, role.name)
     volumes, mounts = _volumes(pool)
     curve_volumes, curve_mounts, curve_args = _kv_events_curve(pool, config)
     container = {
         "name": "engine", "image": image, "command": command, "args": args + curve_args,
         "env": _env(pool, config),
-        "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in labels.PORTS],
+        "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in _ports(pool)],
         "resources": role.resources.to_manifest(),
         "startupProbe": _probe("/health", 10, max(1, config.startup_timeout_s // 10)),
         "readinessProbe": _probe("/health", 5, 3),
