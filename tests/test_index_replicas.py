@@ -241,7 +241,7 @@ def test_an_engine_moved_to_another_event_endpoint_keeps_the_first_replicas_rebu
 
     def move(feeder, state):
         poller = zmq.Poller()  # (the feeder thread's, with the old endpoint's socket)
-        state.sub = feeder._connect(zmq.SUB, state.source.endpoint, POD, "")
+        state.sub = feeder._connect(zmq.SUB, state.source, state.source.endpoint, "")
         poller.register(state.sub, zmq.POLLIN)
         feeder._pods[POD] = state
         feeder.move(moved)

@@ -151,7 +151,7 @@ def test_delete_purges_the_index_and_children_go():
                 return not api.store.list(api.kind("inferencepools"), NS) and not \
                     api.store.list(api.kind("deployments"), NS) and not \
                     api.store.list(api.kind("services"), NS)
-            await eventually(gone, 5, "pool removed and children garbage-collected")
+            await eventually(gone, 20, "pool removed and children garbage-collected")
             await client.close()
     run(scenario)
 
