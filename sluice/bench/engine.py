@@ -23,14 +23,19 @@ from sluice.engine.cli import engine_config
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
-    p.add_argument("--mode", choices=["throughput", "latency", "serving"], default="throughput",
-                   help="serving: with --compare vllm, streaming requests to both servers")
+    p.add_argument("--mode", choices=["throughput", "latency", "serving", "spec"],
+                   default="throughput",
+                   help="serving: with --compare vllm, streaming requests to both servers; "
+                        "spec: --speculative-config against none (bench/spec_decode.py)")
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--min-len", type=int, default=100)
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--input-len", type=int, default=512, help="latency mode")
     p.add_argument("--output-len", type=int, default=128, help="latency mode")
-    p.add_argument("--batch-size", type=int, default=1, help="latency mode")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="latency mode; spec mode: the large batch (1 is always run)")
+    p.add_argument("--spec-reps", type=int, default=2,
+                   help="spec mode: runs of each engine per cell, alternating (best counts)")
     p.add_argument("--peak-bandwidth", type=float, default=2.94e12,
                    help="bytes/s the bandwidth fraction is taken of (H100 80GB copy: 2.94e12)")
     p.add_argument("--peak-flops", type=float, default=754e12,
@@ -154,6 +159,10 @@ def main(args: argparse.Namespace) -> int:
         if args.mode != "latency":
             raise SystemExit("--compare hf measures latency; use --mode latency")
         hf_result, weights = _run_hf(config, args)
+    if args.mode == "spec":
+        from sluice.bench.spec_decode import run_spec
+
+        return _report(run_spec(config, args), config, args)
     llm = LLMEngine(config, weights=weights)
     weights = None  # the engine holds its own copy now
     result = run_throughput(llm, args) if args.mode == "throughput" else run_latency(llm, args)
@@ -165,8 +174,13 @@ def main(args: argparse.Namespace) -> int:
         from sluice.bench.engine_compare import offline_comparison
 
         result.update(offline_comparison(result, vllm_result))
-    result.update(mode=args.mode, model=config.model, dtype=str(llm.dtype),
-                  device=str(llm.device), machine=platform.processor() or platform.machine(),
+    result.update(dtype=str(llm.dtype), device=str(llm.device))
+    return _report(result, config, args)
+
+
+def _report(result: dict, config, args) -> int:
+    result.update(mode=args.mode, model=config.model,
+                  machine=platform.processor() or platform.machine(),
                   date=time.strftime("%Y-%m-%d"))
     for key, value in result.items():
         print(f"{key:>16}: {value:.2f}" if isinstance(value, float) else f"{key:>16}: {value}")

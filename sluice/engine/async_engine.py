@@ -49,7 +49,9 @@ class AsyncEngine:
         cfg = engine.config
         self.info = EngineInfo(cfg.model, cfg.served_model_name, engine.max_model_len,
                                engine.model.config.vocab_size,
-                               cfg.scheduler.max_waiting_requests)
+                               cfg.scheduler.max_waiting_requests,
+                               cfg.kv_transfer.kv_role if cfg.kv_transfer else None,
+                               engine.kv.block_size)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 

@@ -77,6 +77,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-unknown-fields", action="store_true",
                    help="ignore request fields this server does not implement (logged once "
                         "per field name) instead of answering 400")
+    p.add_argument("--kv-transfer-config", type=_kv_transfer_config, default=None,
+                   help="disaggregated prefill/decode, vLLM's JSON: e.g. '{\"kv_connector\": "
+                        "\"SluiceConnector\", \"kv_role\": \"kv_both\", \"kv_port\": 14579}' "
+                        "(sluice/engine/kv_transfer/config.py lists the keys)")
+    p.add_argument("--speculative-config", type=_speculative_config, default=None,
+                   help="speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}', "
+                        "'{\"method\": \"draft_model\", \"model\": PATH, ...}' or "
+                        "'{\"method\": \"early_exit\", \"num_layers\": L, ...}' "
+                        "(sluice/engine/spec_decode/config.py lists the keys)")
     p.add_argument("--log-level", default="info")
 
 
@@ -85,6 +95,24 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _kv_transfer_config(text: str):
+    from sluice.engine.kv_transfer.config import KVTransferConfig
+
+    try:
+        return KVTransferConfig.from_json(text)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _speculative_config(text: str):
+    from sluice.engine.spec_decode.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.from_json(text)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -111,6 +139,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                                       args.long_prefill_token_threshold),
                                   max_model_len=args.max_model_len,
                                   max_waiting_requests=args.max_waiting_requests),
+        kv_transfer=args.kv_transfer_config,
+        speculative=getattr(args, "speculative_config", None),
     )
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from sluice.engine.kv_transfer.config import KVTransferConfig
+from sluice.engine.spec_decode.config import SpeculativeConfig
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -121,6 +124,8 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None  # --speculative-config; None: off
+    kv_transfer: KVTransferConfig | None = None  # disaggregated prefill/decode (kv_transfer/)
 
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)

@@ -68,12 +68,18 @@ class KVCacheManager:
 
     # -- allocation ---------------------------------------------------------------------
     def allocate_slots(self, req: Request, num_new_tokens: int,
-                       computed_blocks: list[int] | None = None) -> bool:
+                       computed_blocks: list[int] | None = None,
+                       num_lookahead_tokens: int = 0, cache: bool = True) -> bool:
         """Make req's block table cover num_computed_tokens (+ hits) + num_new_tokens.
 
         `computed_blocks` (prefix hits) may only be passed for a request holding
         no blocks. Returns False, changing nothing, when the pool cannot supply
-        the blocks; the caller then preempts or waits.
+        the blocks; the caller then preempts or waits. `num_lookahead_tokens`
+        (speculative drafts, vLLM's name) get slots too but are never hashed:
+        only tokens up to num_computed_tokens + num_new_tokens are committed.
+        `cache=False`: the new blocks' K/V arrives later (a load from another engine,
+        kv_transfer/), so they are not hashed yet: no request may hit them before
+        `cache_blocks`.
         """
         computed = computed_blocks or []
         rid = req.request_id
@@ -81,7 +87,8 @@ class KVCacheManager:
         assert not (computed and held), "prefix hits are only taken at admission"
         num_total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
         assert num_total <= req.num_tokens
-        num_needed = -(-num_total // self.block_size) - len(held) - len(computed)
+        num_slots = num_total + num_lookahead_tokens
+        num_needed = -(-num_slots // self.block_size) - len(held) - len(computed)
         num_revived = sum(1 for b in computed if self.ref_cnt[b] == 0)
         if num_needed > len(self.free_queue) - num_revived:
             return False
@@ -93,9 +100,16 @@ class KVCacheManager:
         self.req_blocks[rid] = blocks
         if rid not in self.num_cached_blocks:
             self.num_cached_blocks[rid] = len(computed)
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and cache:
             self._cache_full_blocks(req, num_total)
         return True
+
+    def cache_blocks(self, req: Request, num_tokens: int) -> None:
+        """Hash (and publish) req's full blocks up to num_tokens, whose K/V has arrived:
+        loaded blocks become ordinary cached blocks."""
+        assert len(self.req_blocks.get(req.request_id, [])) * self.block_size >= num_tokens
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(req, num_tokens)
 
     def free(self, req: Request) -> None:
         """Release req's blocks (abort, finish, preemption). Hashed blocks stay cached."""

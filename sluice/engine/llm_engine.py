@@ -88,8 +88,54 @@ class LLMEngine:
         self.metrics = EngineMetrics(config.served_model_name, cache.block_size, num_blocks,
                                      cache.enable_prefix_caching)
         self.requests: dict[str, OutputState] = {}
+        self.speculator = self._make_speculator()
+        self.kv_connector = self._make_kv_connector()
         log.info("KV cache: %d blocks of %d tokens (%s, %s); max_model_len %d", num_blocks,
                  cache.block_size, self.dtype, self.device, self.max_model_len)
+
+    def _make_kv_connector(self):
+        """Disaggregated prefill/decode (kv_transfer/): the connector the scheduler calls."""
+        if self.config.kv_transfer is None:
+            return None
+        from sluice.engine.kv_transfer.connector import make_connector
+
+        connector = make_connector(self.config.kv_transfer, self.kv, self.runner.kv_caches,
+                                   self.metrics.registry, self.config.served_model_name)
+        self.scheduler.kv_connector = connector
+        return connector
+
+    def _make_speculator(self):
+        """Speculative decoding (spec_decode/): the proposer and who gets drafts."""
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        from sluice.engine.spec_decode.proposer import build_proposer
+        from sluice.engine.spec_decode.speculator import Speculator
+
+        proposer = build_proposer(spec, self.runner, self.dtype, self.device, self.config.seed)
+        self.metrics.enable_spec_decode(spec.num_speculative_tokens)
+        log.info("speculative decoding: %s, %d tokens", spec.method, spec.num_speculative_tokens)
+        return Speculator(spec, proposer, self.kv, self.max_model_len)
+
+    def _append_tokens(self, state: OutputState, result, i: int, now: float):
+        """Append sampling request i's emitted tokens (several when drafts were accepted)
+        until one finishes it; count them; move num_computed_tokens over the accepted
+        drafts, whose K/V the step wrote. Returns (new token ids, their logprobs or None)."""
+        req = state.req
+        tokens, logprobs = result.token_ids[i], result.logprobs[i]
+        if req.spec_token_ids:
+            self.metrics.on_spec_decode(len(req.spec_token_ids), result.num_accepted[i])
+            req.spec_token_ids = []
+        n = 0
+        for token in tokens:
+            state.append_token(token, self.max_model_len)
+            n += 1
+            if req.is_finished:
+                break
+        req.num_computed_tokens += n - 1
+        assert req.is_finished or req.num_computed_tokens == req.num_tokens - 1, "in decode"
+        self.metrics.on_token(req, now, n)
+        return tokens[:n], None if logprobs[0] is None else logprobs[:n]
 
     def _step_peak(self) -> int:
         """On CUDA, the activation peak of a full-budget step (measured on a scratch pool)."""
@@ -151,7 +197,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         if sched.scheduled:
-            sampling = [r for r, n in sched.scheduled if r.num_computed_tokens + n == r.num_tokens]
+            sampling = [r for r, n in sched.scheduled
+                        if r.num_computed_tokens + n - len(r.spec_token_ids) == r.num_tokens]
             tables = [self.kv.block_table(r.request_id) for r, _ in sched.scheduled]
             result = self.runner.execute(sched.scheduled, tables, sampling)
             self.scheduler.update_after_step(sched)
@@ -160,14 +207,16 @@ class LLMEngine:
                 state = self.requests[req.request_id]
                 if req.first_token_time is None:
                     req.first_token_time = now
-                state.append_token(result.token_ids[i], self.max_model_len)
-                self.metrics.on_token(req, now)
-                lp = result.logprobs[i]
-                outputs.append(state.make_output([result.token_ids[i]], None if lp is None else [lp]))
+                outputs.append(state.make_output(*self._append_tokens(state, result, i, now)))
                 if req.is_finished:
                     self.scheduler.finish(req)
+                    if self.kv_connector is not None:  # a prefill leg's answer names its blocks
+                        outputs[-1].kv_transfer_params = self.kv_connector.pop_output_params(
+                            req.request_id)
                     del self.requests[req.request_id]
                     self.metrics.on_finished(req, now)
+        if self.speculator is not None:  # drafts for the next step
+            self.speculator.propose(self.scheduler.running)
         self.metrics.on_step(len(self.scheduler.running), len(self.scheduler.waiting),
                              self.kv.usage, len(sched.preempted), sched.num_prefix_queries,
                              sched.num_prefix_hits)

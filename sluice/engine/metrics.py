@@ -57,6 +57,14 @@ class EngineMetrics:
         self.prefill = histogram("vllm:request_prefill_time_seconds", "Prefill time", _LATENCY)
         self.decode = histogram("vllm:request_decode_time_seconds", "Decode time", _LATENCY)
         self._last_token_time: dict[str, float] = {}
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts",
+                                   "Verifications of at least one draft token")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified")
+        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self._spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by position in the draft",
+                                     ["model_name", "position"], registry=r)
+        self._model_name = m
 
     def on_step(self, num_running: int, num_waiting: int, kv_usage: float, num_preempted: int,
                 prefix_queries: int, prefix_hits: int) -> None:
@@ -68,8 +76,27 @@ class EngineMetrics:
         self.prefix_queries.inc(prefix_queries)
         self.prefix_hits.inc(prefix_hits)
 
-    def on_token(self, req: Request, now: float) -> None:
-        self.generation_tokens.inc()
+    def enable_spec_decode(self, num_speculative_tokens: int) -> None:
+        """Export the per-position counters from start-up (at 0), one per draft position."""
+        for pos in range(num_speculative_tokens):
+            self._spec_per_pos.labels(self._model_name, str(pos))
+
+    def on_spec_decode(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """One request's verification: drafts 0 .. num_draft_tokens - 1 were checked and the
+        first num_accepted of them accepted (vLLM counts per position from 0)."""
+        assert 0 <= num_accepted <= num_draft_tokens
+        if not num_draft_tokens:
+            return
+        self.spec_drafts.inc()
+        self.spec_draft_tokens.inc(num_draft_tokens)
+        self.spec_accepted.inc(num_accepted)
+        for pos in range(num_accepted):
+            self._spec_per_pos.labels(self._model_name, str(pos)).inc()
+
+    def on_token(self, req: Request, now: float, num_tokens: int = 1) -> None:
+        """num_tokens new tokens of req arrived at once (more than one: accepted drafts);
+        the inter-token latency is observed once per arrival, as vLLM does."""
+        self.generation_tokens.inc(num_tokens)
         last = self._last_token_time.get(req.request_id)
         if last is None:
             self.ttft.observe(now - req.arrival_time)

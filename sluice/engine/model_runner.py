@@ -5,6 +5,13 @@ token_ids[num_computed_tokens : num_computed_tokens + num_new]. Their slots
 come from the block table (slot = block_table[pos // block_size] * block_size
 + pos % block_size); logits are computed only for the last row of requests
 whose step reaches the end of their known tokens (they sample).
+
+Speculative decoding: a decode scheduled with drafts (req.spec_token_ids) computes
+its last known token followed by the drafts, num_new = 1 + len(drafts) positions,
+and keeps the logits of all of them; `spec_decode.verify` turns those into the
+request's accepted tokens. K/V written at rejected positions is never read: the
+engine rolls num_computed_tokens back to the accepted length, and the next step
+overwrites those slots.
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ from sluice.engine.cuda_graph import DecodeGraphRunner
 from sluice.engine.model.decoder import CausalLM
 from sluice.engine.prompt_logprobs import record_prompt_logprobs
 from sluice.engine.request import Request
-from sluice.engine.sampler import SampleResult, sample
+from sluice.engine.sampler import sample
+from sluice.engine.spec_decode.verify import VerifyResult, verify
 from sluice.engine.tensors import to_device
 
 
@@ -60,8 +68,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]], block_tables: list[list[int]],
-                sampling: list[Request]) -> SampleResult:
-        """Run one step; `block_tables[i]` belongs to scheduled[i]; sample for `sampling`."""
+                sampling: list[Request]) -> VerifyResult:
+        """Run one step; `block_tables[i]` belongs to scheduled[i]; sample for `sampling`.
+
+        Returns, per sampling request, the tokens it emits (one without drafts)."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -74,14 +84,17 @@ class ModelRunner:
             start = req.num_computed_tokens
             end = start + num_new
             assert len(table) * bs >= end, "block table too short for the step"
-            input_ids += req.token_ids[start:end]
+            drafts = req.spec_token_ids
+            assert not drafts or end == req.num_tokens + len(drafts), "drafts follow a decode"
+            input_ids += req.token_ids[start:end] + drafts if drafts else req.token_ids[start:end]
             pos = range(start, end)
             positions += pos
             slots += [table[p // bs] * bs + p % bs for p in pos]
             query_start_loc.append(query_start_loc[-1] + num_new)
             seq_lens.append(end)
             if id(req) in sampling_ids:
-                logit_rows.append(query_start_loc[-1] - 1)
+                last = query_start_loc[-1]
+                logit_rows += range(last - 1 - len(drafts), last)
         graphs = self.decode_graphs
         if (graphs is not None and len(input_ids) == len(scheduled) <= graphs.max_batch):
             hidden = graphs.run(input_ids, positions, slots, seq_lens, block_tables)
@@ -90,22 +103,17 @@ class ModelRunner:
                                    block_tables)
         record_prompt_logprobs(self.model, hidden, scheduled, query_start_loc)
         if not logit_rows:
-            return SampleResult([], [])
+            return VerifyResult([], [], [])
         logits = self.model.compute_logits(hidden[to_device(logit_rows, torch.long, self.device)])
-        return sample(logits, sampling)
+        if len(logit_rows) > len(sampling):
+            return verify(logits, sampling, [r.spec_token_ids for r in sampling])
+        result = sample(logits, sampling)
+        return VerifyResult([[t] for t in result.token_ids], [[lp] for lp in result.logprobs],
+                            [0] * len(sampling))
 
     def _forward(self, input_ids, positions, slots, query_start_loc, seq_lens, block_tables):
-        width = max(len(t) for t in block_tables)
-        padded = [t + [0] * (width - len(t)) for t in block_tables]
+        meta = build_metadata(slots, query_start_loc, seq_lens, block_tables, self.device)
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=to_device(slots, torch.long, dev),
-            query_start_loc=to_device(query_start_loc, torch.int32, dev),
-            seq_lens=to_device(seq_lens, torch.int32, dev),
-            block_tables=to_device(padded, torch.int32, dev),
-            query_start_loc_cpu=query_start_loc,
-            seq_lens_cpu=seq_lens,
-        )
         return self.model(to_device(input_ids, torch.long, dev),
                           to_device(positions, torch.long, dev), self.kv_caches, meta)
 
@@ -123,3 +131,18 @@ class ModelRunner:
         torch.softmax(self.model.compute_logits(rows), dim=-1)  # sampler-sized temporaries
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device) - base
+
+
+def build_metadata(slots: list[int], query_start_loc: list[int], seq_lens: list[int],
+                   block_tables: list[list[int]], device: torch.device) -> AttentionMetadata:
+    """A step's attention metadata from host lists (block tables padded with block 0)."""
+    width = max(len(t) for t in block_tables)
+    padded = [t + [0] * (width - len(t)) for t in block_tables]
+    return AttentionMetadata(
+        slot_mapping=to_device(slots, torch.long, device),
+        query_start_loc=to_device(query_start_loc, torch.int32, device),
+        seq_lens=to_device(seq_lens, torch.int32, device),
+        block_tables=to_device(padded, torch.int32, device),
+        query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=seq_lens,
+    )

@@ -46,3 +46,5 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list[PromptLogprob | None] | None = None  # the first output only
+    # a prefill leg's last output: where its held blocks are (kv_transfer/params.py)
+    kv_transfer_params: dict[str, object] | None = None

@@ -14,6 +14,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # its KV is loading from another engine
     FINISHED = "finished"
 
 
@@ -45,6 +46,12 @@ class Request:
         self.generator: torch.Generator | None = None
         self.grammar = None  # structured_output.grammar.RequestGrammar, when constrained
         self.prompt_logprobs: list | None = None  # prompt_logprobs.py fills it, when asked
+        # Draft tokens proposed for the next step (spec_decode/); never part of token_ids
+        # until verified, so never hashed into the prefix cache or published as KV events.
+        self.spec_token_ids: list[int] = []
+        # The draft distribution q each draft was sampled from ([drafts, vocab]); None:
+        # drafted greedily (point masses). Aligned with spec_token_ids' first entries.
+        self.spec_draft_probs = None
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

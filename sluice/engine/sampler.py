@@ -40,43 +40,82 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
     objects (grammar, constrains_logits): a batch without any constrained request
     runs exactly the tensor ops it ran before they existed."""
     assert logits.shape[0] == len(reqs)
-    device = logits.device
+    logits, raw_logprobs = process_logits(logits, reqs)
+    u = draw_uniforms(reqs, logits.device, [r.generator for r in reqs])
+    tokens = pick_tokens(logits, reqs, u)
+    token_list = tokens.tolist()
+    return SampleResult(token_list, gather_logprobs(raw_logprobs, tokens, token_list, reqs))
+
+
+def process_logits(logits: torch.Tensor, reqs: list[Request], with_logprobs: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Row i's grammar mask, then (raw logprobs taken) its logits processors and penalties.
+
+    Returns the processed logits and the raw logprobs (None when no row asks for them).
+    Speculative verification calls it with one request view per verified position."""
     grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
     if grammar_rows:
         apply_grammar_bitmask(logits, [reqs[i].grammar for i in grammar_rows], grammar_rows)
-    want_logprobs = [r.params.logprobs for r in reqs]
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in want_logprobs) else None
+    want = with_logprobs and any(r.params.logprobs is not None for r in reqs)
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if want else None
     if any(r.params.constrains_logits for r in reqs):
         logits = apply_logits_processors(logits, reqs)
-    logits = _apply_penalties(logits, reqs)
+    return _apply_penalties(logits, reqs), raw_logprobs
 
+
+def draw_uniforms(reqs: list[Request], device: torch.device,
+                  generators: list[torch.Generator | None]) -> torch.Tensor | None:
+    """One uniform draw per row ([rows, 1]); None when every row is greedy. A row with a
+    generator draws from it (one `torch.rand(1)` per sampled token), so a seeded request's
+    draws do not depend on the rest of its batch."""
+    if all(r.params.greedy for r in reqs):  # decided on the host: no device sync
+        return None
+    u = torch.rand(len(reqs), 1, device=device)  # one launch for all unseeded rows
+    for i, (r, g) in enumerate(zip(reqs, generators)):
+        if g is not None and not r.params.greedy:
+            u[i] = torch.rand(1, device=device, generator=g)
+    return u
+
+
+def sampling_probs(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """The distribution a sampled row draws from: temperature, top-k/p, min-p, softmax
+    (processed logits in; rows of greedy requests are not meaningful)."""
+    temps = to_device([r.params.temperature if not r.params.greedy else 1.0 for r in reqs],
+                      torch.float32, logits.device)
+    return torch.softmax(_filter(logits / temps.unsqueeze(1), reqs), dim=-1)
+
+
+def pick_tokens(logits: torch.Tensor, reqs: list[Request], u: torch.Tensor | None) -> torch.Tensor:
+    """Greedy rows: the argmax; other rows: temperature, top-k/p, min-p, inverse CDF at u."""
+    tokens = logits.argmax(dim=-1)
+    if u is None:
+        return tokens
+    device = logits.device
     temps = to_device([r.params.temperature for r in reqs], torch.float32, device)
     greedy = temps < 1e-5
-    tokens = logits.argmax(dim=-1)
-    if not all(r.params.greedy for r in reqs):  # decided on the host: no device sync
-        scaled = logits / torch.where(greedy, 1.0, temps).unsqueeze(1)
-        scaled = _filter(scaled, reqs)
-        probs = torch.softmax(scaled, dim=-1)
-        u = torch.rand(len(reqs), 1, device=device)  # one launch for all unseeded rows
-        for i, r in enumerate(reqs):  # seeded rows draw from their own generator
-            if r.generator is not None and not r.params.greedy:
-                u[i] = torch.rand(1, device=device, generator=r.generator)
-        tokens = torch.where(greedy, tokens, _inverse_cdf(probs, u))
+    scaled = logits / torch.where(greedy, 1.0, temps).unsqueeze(1)
+    probs = torch.softmax(_filter(scaled, reqs), dim=-1)
+    return torch.where(greedy, tokens, _inverse_cdf(probs, u))
 
-    token_list = tokens.tolist()
+
+def gather_logprobs(raw_logprobs: torch.Tensor | None, tokens: torch.Tensor,
+                    token_list: list[int], reqs: list[Request]) -> list[TokenLogprob | None]:
+    """Row i's chosen token's raw logprob and its top params.logprobs alternatives."""
     logprobs: list[TokenLogprob | None] = [None] * len(reqs)
-    if raw_logprobs is not None:
-        k = max(n or 0 for n in want_logprobs)
-        top_vals, top_ids = raw_logprobs.topk(k, dim=-1) if k else (None, None)
-        chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-        for i, n in enumerate(want_logprobs):
-            if n is None:
-                continue
-            top = ()
-            if n:
-                top = tuple(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist()))
-            logprobs[i] = TokenLogprob(token_list[i], chosen[i], top)
-    return SampleResult(token_list, logprobs)
+    if raw_logprobs is None:
+        return logprobs
+    want = [r.params.logprobs for r in reqs]
+    k = max(n or 0 for n in want)
+    top_vals, top_ids = raw_logprobs.topk(k, dim=-1) if k else (None, None)
+    chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    for i, n in enumerate(want):
+        if n is None:
+            continue
+        top = ()
+        if n:
+            top = tuple(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist()))
+        logprobs[i] = TokenLogprob(token_list[i], chosen[i], top)
+    return logprobs
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from sluice.engine.kv_transfer.params import KVTransferParams
 from sluice.engine.structured_output.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
@@ -56,6 +57,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # disaggregated prefill/decode (vLLM carries it in extra_args; kv_transfer/params.py)
+    kv_transfer_params: KVTransferParams | None = None
 
     def __post_init__(self) -> None:
         self.validate()

@@ -33,13 +33,14 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions_total = 0
+        self.kv_connector = None  # disaggregated prefill/decode (kv_transfer/): set by the engine
 
     def add(self, req: Request) -> None:
         assert req.num_tokens < self.max_model_len, "caller validates prompt length"
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running) or self._has_remote_loads()
 
     def schedule(self) -> SchedulerOutput:
         # Policy, one step:
@@ -58,22 +59,31 @@ class Scheduler:
         #    requests behind it: once that block is cached it is a hit, so computing it
         #    twice would only take budget from other requests (a burst of one prefix
         #    arriving while its first request's prefill is chunked).
+        # Speculative decoding: a decode with drafts (req.spec_token_ids) takes 1 + drafts
+        # tokens of the budget; drafts that do not fit are dropped, and dropped before
+        # anyone is preempted for their slots (`_num_draft_tokens`).
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        if self.kv_connector is not None:
+            self._admit_loaded()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
             assert num_new > 0, "a running request always has a token to compute"
-            while not self.kv.allocate_slots(req, num_new):
+            num_draft = self._num_draft_tokens(req, num_new, budget)
+            while not self.kv.allocate_slots(req, num_new, num_lookahead_tokens=num_draft):
+                if num_draft:  # drafts are optional: drop them before preempting anyone
+                    num_draft = self._num_draft_tokens(req, num_new, 1)
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     break
             else:
-                out.scheduled.append((req, num_new))
-                budget -= num_new
+                out.scheduled.append((req, num_new + num_draft))
+                budget -= num_new + num_draft
                 i += 1
         in_prefill = self._blocks_in_prefill(self.running) if self.waiting else set()
         j = 0
@@ -85,6 +95,13 @@ class Scheduler:
                     and req.block_hashes[len(hits)] in in_prefill):
                 j += 1  # its prefix is being computed: wait for it
                 continue
+            if self.kv_connector is not None:
+                loading = self._start_remote_load(req, hits)
+                if loading is False:
+                    break  # no blocks for its load: wait, as for a prefill
+                if loading:
+                    del self.waiting[j]
+                    continue
             num_hit_tokens = len(hits) * self.kv.block_size
             num_new = self._chunk(req.num_tokens - num_hit_tokens, budget)
             if not self.kv.allocate_slots(req, num_new, hits):
@@ -118,11 +135,24 @@ class Scheduler:
         cap = self.config.long_prefill_token_threshold
         return min(num_remaining, budget, cap) if cap > 0 else min(num_remaining, budget)
 
+    def _num_draft_tokens(self, req: Request, num_new: int, budget: int) -> int:
+        """Speculative decoding: how many of req's drafts run this step after its one
+        decode token (the budget counts them); the drafts that do not fit are dropped.
+        Only a decode has drafts (the engine proposes after the request's last sample)."""
+        if not req.spec_token_ids:
+            return 0
+        is_decode = num_new == 1 and req.num_computed_tokens + 1 == req.num_tokens
+        req.spec_token_ids = req.spec_token_ids[:budget - num_new] if is_decode else []
+        return len(req.spec_token_ids)
+
     def update_after_step(self, out: SchedulerOutput) -> list[Request]:
-        """Advance num_computed_tokens; return the requests that must sample a token now."""
+        """Advance num_computed_tokens; return the requests that must sample a token now.
+
+        A decode with drafts advances by its one known token here; the engine adds the
+        drafts the target accepted once it has verified them (spec_decode/)."""
         sampling = []
         for req, num_new in out.scheduled:
-            req.num_computed_tokens += num_new
+            req.num_computed_tokens += num_new - len(req.spec_token_ids)
             assert req.num_computed_tokens <= req.num_tokens
             if req.num_computed_tokens == req.num_tokens:
                 sampling.append(req)
@@ -134,12 +164,55 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req)
+        if not self._connector_keeps_blocks(req):
+            self.kv.free(req)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        req.spec_token_ids = []
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(req)
+
+    # -- KV connector hooks (disaggregated prefill/decode; the logic is in kv_transfer/) ----
+    def _has_remote_loads(self) -> bool:
+        return self.kv_connector is not None and self.kv_connector.has_pending_loads()
+
+    def _start_remote_load(self, req: Request, hits: list[int]) -> bool | None:
+        """A waiting request whose KV another engine holds: allocate its blocks (hashed only
+        once loaded) and start the load. None: nothing to load, admit as usual; False: no
+        blocks yet; True: loading (it waits in the connector, holding its blocks)."""
+        num_hit_tokens = len(hits) * self.kv.block_size
+        num_external, _ = self.kv_connector.get_num_new_matched_tokens(req, num_hit_tokens)
+        if num_external == 0:
+            return None
+        if not self.kv.allocate_slots(req, num_external, hits, cache=False):
+            return False
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit_tokens
+        req.num_computed_tokens = num_hit_tokens
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.kv_connector.update_state_after_alloc(req, self.kv.block_table(req.request_id),
+                                                   num_external)
+        return True
+
+    def _admit_loaded(self) -> None:
+        """Requests whose load ended join the running batch (a failed load leaves them
+        their local hits: they prefill the rest as running requests)."""
+        room = self.config.max_num_seqs - len(self.running)
+        idle = not (self.waiting or self.running)
+        for req in self.kv_connector.get_finished_loading(room, idle):
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.time()
+            self.running.append(req)
+
+    def _connector_keeps_blocks(self, req: Request) -> bool:
+        """Whether the connector frees req's blocks itself later (held for a remote pull,
+        or still being loaded into)."""
+        if self.kv_connector is None:
+            return False
+        keep, _ = self.kv_connector.request_finished(req, self.kv.block_table(req.request_id))
+        return keep

@@ -23,6 +23,8 @@ class EngineInfo(msgspec.Struct, frozen=True):
     max_model_len: int
     vocab_size: int
     max_waiting_requests: int
+    kv_role: str | None = None  # --kv-transfer-config's kv_role (None: no KV transfer)
+    block_size: int = 16
 
 
 # -- API process -> core ------------------------------------------------------------------

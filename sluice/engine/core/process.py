@@ -46,6 +46,7 @@ from sluice.engine.core.messages import (
 log = logging.getLogger("sluice.engine.core")
 
 METRICS_INTERVAL_S = 0.1
+KV_HOLD_POLL_MS = 20
 _PR_SET_PDEATHSIG = 1
 
 
@@ -119,7 +120,9 @@ class EngineCore:
         cfg = spec.config
         self.info = EngineInfo(cfg.model, cfg.served_model_name, self.llm.max_model_len,
                                self.llm.model.config.vocab_size,
-                               cfg.scheduler.max_waiting_requests)
+                               cfg.scheduler.max_waiting_requests,
+                               cfg.kv_transfer.kv_role if cfg.kv_transfer else None,
+                               self.llm.kv.block_size)
         self._changed = True
         self._last_metrics = 0.0
         self._counts = (0, 0)  # (running, waiting) as of the last metrics sent
@@ -146,6 +149,8 @@ class EngineCore:
                 if counts != self._counts or any(o.finished for o in outputs):
                     metrics, self._counts = self._metrics(), counts
                 out.send(encoder.encode(Outputs(outputs, counts[0], metrics)))
+            if self._release_kv_holds():
+                self._changed = True
             if self._changed and time.monotonic() - self._last_metrics >= METRICS_INTERVAL_S:
                 out.send(encoder.encode(Metrics(self._metrics())))
 
@@ -171,7 +176,20 @@ class EngineCore:
                 self.publisher.publish(self.llm.kv.take_events())
             out.send(encoder.encode(Reply(cmd.call_id, cleared)))
 
+    def _release_kv_holds(self) -> bool:
+        """Disaggregated prefill: free blocks held for a pull that came or timed out."""
+        connector = self.llm.kv_connector
+        if connector is None or not connector.release_finished_holds():
+            return False
+        sched = self.llm.scheduler  # the usage gauge, as an abort refreshes it
+        self.llm.metrics.on_step(len(sched.running), len(sched.waiting), self.llm.kv.usage,
+                                 0, 0, 0)
+        return True
+
     def _idle_wait_ms(self) -> int:
+        connector = self.llm.kv_connector
+        if connector is not None and connector.holds_blocks():
+            return KV_HOLD_POLL_MS  # a pull ends on another thread: free its blocks soon
         if not self._changed:
             return 1000
         due = self._last_metrics + METRICS_INTERVAL_S - time.monotonic()
@@ -184,6 +202,8 @@ class EngineCore:
         return generate_latest(self.llm.metrics.registry)
 
     def close(self) -> None:
+        if self.llm.kv_connector is not None:
+            self.llm.kv_connector.close()
         if self.publisher is not None:
             self.publisher.close()
 

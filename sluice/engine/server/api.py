@@ -29,6 +29,7 @@ from sluice.engine.server import formatting as fmt
 from sluice.engine.server.auth import ApiKeyMiddleware
 from sluice.engine.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
 from sluice.engine.server.chat_render import check_chat_flags, encode_chat_request
+from sluice.engine.server.disagg import DisaggLegs
 from sluice.engine.server.errors import RequestError, error_response, install_error_handlers
 from sluice.engine.server.json_body import StrictJSONRoute
 from sluice.engine.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -68,6 +69,8 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str,
     max_model_len = info.max_model_len
     limits = Limits(max_model_len, info.vocab_size, max_prompts_per_request)
     unknown = UnknownFields(allow_unknown_fields)
+    legs = DisaggLegs(getattr(info, "kv_role", None), getattr(info, "block_size", 16),
+                      model_name)
     # Compiles constraints to validate them (a 400 before queueing); the engine core
     # compiles its own copy, from its own cache, when it adds the request.
     grammars = StructuredOutputManager(
@@ -94,7 +97,8 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str,
 
     @app.get("/metrics")
     async def metrics():
-        return Response(engine.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+        return Response(engine.metrics_text() + legs.metrics_text(),
+                        media_type=CONTENT_TYPE_LATEST)
 
     def check_model(body) -> None:
         if body.model not in (None, model_name):
@@ -179,6 +183,9 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str,
         # front, rather than queue some and abort them when a later one finds it full.
         check_queue_room(len(prompts) * body.n, engine.waiting_room(),
                          info.max_waiting_requests)
+        # Disaggregated prefill/decode (disagg.py): after the checks above, so a request
+        # refused here never leaves blocks held on a prefill engine.
+        derived = await legs.prepare(raw, body, prompts, derived)
         salt = body.cache_salt
         if derived.get("prompt_logprobs", body.prompt_logprobs) is not None:
             # Every prompt token's logits are needed: never read the prefix cache.

@@ -30,9 +30,12 @@ class ChoiceState:
         self.num_cached_tokens = 0
         self.prompt_logprobs: list | None = None  # PromptLogprob | None per prompt token
         self.num_outputs = 0
+        self.kv_transfer_params: dict | None = None  # a prefill leg's answer
 
     def add(self, out: RequestOutput) -> None:
         self.num_outputs += 1
+        if out.kv_transfer_params is not None:
+            self.kv_transfer_params = out.kv_transfer_params
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         self.text += out.new_text

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sluice.chat_template import template_messages
 from sluice.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from sluice.engine.server.protocol_extras import (
+    KVTransferParamsField,
     ResponseFormat,
     StreamOptions,
     StructuredOutputsField,
@@ -85,6 +86,7 @@ class _SamplingFields(BaseModel):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
+    kv_transfer_params: KVTransferParamsField | None = None  # disaggregated prefill/decode
 
     @field_validator("logit_bias")
     @classmethod

@@ -8,13 +8,30 @@ a tool's definition stays open, since chat templates may read fields of their ow
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 _CLOSED = ConfigDict(strict=True, extra="forbid")
 _OPEN = ConfigDict(strict=True, extra="allow")
 MAX_CHOICES = 1024  # structured_outputs.choice strings
+
+
+class KVTransferParamsField(BaseModel):
+    """vLLM's `kv_transfer_params` (disaggregated prefill/decode; kv_transfer/params.py).
+    Closed: a foreign key is a 400 naming it."""
+
+    model_config = _CLOSED
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = Field(default=None, max_length=256)
+    remote_block_ids: list[Annotated[int, Field(ge=0, lt=2**31)]] | None = Field(
+        default=None, max_length=1 << 20, fail_fast=True)
+    remote_host: str | None = Field(default=None, max_length=256)
+    remote_port: int | None = Field(default=None, ge=1, le=65535)
+    remote_request_id: str | None = Field(default=None, max_length=256)
+    tp_size: int | None = Field(default=None, ge=1)
 
 
 class StreamOptions(BaseModel):

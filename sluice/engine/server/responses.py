@@ -65,6 +65,8 @@ def full_response(plan: ResponsePlan, choices: list[fmt.ChoiceState], tokenizer)
                 item["prompt_logprobs"] = fmt.prompt_logprobs(tokenizer, c.prompt_logprobs)
         items.append(item)
     body = {**out, "choices": items, "usage": fmt.usage(choices)}
+    if choices and choices[0].kv_transfer_params is not None:  # vLLM's top-level field
+        body["kv_transfer_params"] = choices[0].kv_transfer_params
     if plan.chat and plan.prompt_logprobs:
         body["prompt_logprobs"] = fmt.prompt_logprobs(tokenizer, choices[0].prompt_logprobs)
     return body

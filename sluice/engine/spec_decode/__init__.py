@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers draft tokens, the target verifies them in one step."""
