@@ -45,6 +45,15 @@ def usable_cpus() -> int:
     return max(1, min(cpus, quota) if quota is not None else cpus)
 
 
+def engine_threads(cpus: int, engines: int = 1) -> int:
+    """Torch threads for each of `engines` engine cores sharing `cpus`: one CPU is left to
+    the API processes (and the gateway beside them), as vLLM reserves one for its front
+    end. An OpenMP thread that loses its core stalls its peers at every parallel region: a
+    batch-32 decode step went from 95 ms to 640-960 ms on two threads while another
+    process took one of the two cores (docs/benchmarks.md)."""
+    return max(1, (cpus - 1) // engines)
+
+
 def _read(path: str) -> str | None:
     try:
         with open(path) as f:

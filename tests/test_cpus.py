@@ -26,3 +26,10 @@ def test_an_affinity_mask_bounds_the_engines_threads():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "1"
     assert 1 <= usable_cpus() <= (os.cpu_count() or 1)
+
+
+def test_engine_cores_leave_one_cpu_to_the_api_processes():
+    from sluice.cpus import engine_threads
+
+    assert [engine_threads(c) for c in (1, 2, 4, 16)] == [1, 1, 3, 15]
+    assert [engine_threads(8, n) for n in (1, 2, 3, 8)] == [7, 3, 2, 1]

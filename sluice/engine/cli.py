@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
-                   help="auto: Triton on CUDA, PyTorch (gather + SDPA) on CPU")
+                   help="auto: Triton on CUDA, PyTorch (blockwise decode, SDPA prefill) on CPU")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, default=16)
@@ -61,9 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default sampling parameters: 'auto' (the model folder's "
                         "generation_config.json), 'vllm' (none), or a folder")
     p.add_argument("--num-threads", type=int, default=None,
-                   help="CPU threads for torch (default: the physical cores, at most the CPUs "
-                        "this process may use: affinity and cgroup quota; use 1 per engine "
-                        "when several engines share a machine: oversubscribed threads stall)")
+                   help="CPU threads for torch in the engine core (default: the physical "
+                        "cores, at most the CPUs this process may use (affinity and cgroup "
+                        "quota) minus one left to the API process; oversubscribed threads "
+                        "stall)")
     p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
                    help="clients send Authorization: Bearer KEY (also $VLLM_API_KEY, as vLLM); "
                         "without it the OpenAI API is open and the admin endpoints and API "
@@ -169,11 +170,11 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (vLLM's rule)")
     import torch
 
-    from sluice.cpus import usable_cpus
+    from sluice.cpus import engine_threads, usable_cpus
 
     # torch's own default counts the machine's physical cores, blind to the affinity
     # mask and a cgroup quota (a pod's CPU limit): bounded by them
-    num_threads = args.num_threads or min(torch.get_num_threads(), usable_cpus())
+    num_threads = args.num_threads or min(torch.get_num_threads(), engine_threads(usable_cpus()))
     defaults = load_sampling_defaults(args.generation_config, config.model)
     if defaults:
         log.info("default sampling parameters from generation_config.json: %s", defaults)

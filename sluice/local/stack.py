@@ -23,7 +23,7 @@ from typing import TextIO
 
 import httpx
 
-from sluice.cpus import usable_cpus
+from sluice.cpus import engine_threads, usable_cpus
 from sluice.local.procs import Child, wait_until
 
 _handed_out: set[int] = set()
@@ -155,7 +155,7 @@ class LocalStack:
             argv += list(self.cfg.engine_args)
             if "--num-threads" not in self.cfg.engine_args:
                 # engines share this machine: oversubscribed torch threads stall steps
-                argv += ["--num-threads", str(max(1, usable_cpus() // self.cfg.engines))]
+                argv += ["--num-threads", str(engine_threads(usable_cpus(), self.cfg.engines))]
             env = {**self.cfg.env, "VLLM_API_KEY": self.engine_key}
             self.engines.append(Child(f"engine-{i}", argv, self.out, i + 1, env))
             url = f"http://127.0.0.1:{port}"
