@@ -150,6 +150,22 @@ def test_prefill_engines_produce_kv_and_decode_engines_consume_it():
             "kv_connector": "NixlConnector", "kv_role": "kv_both"}
 
 
+@pytest.mark.parametrize("speculative", [
+    {"method": "ngram", "numSpeculativeTokens": 4, "promptLookupMin": 1, "promptLookupMax": 3},
+    {"method": "early_exit", "numSpeculativeTokens": 2, "numLayers": 12},
+    {"method": "draft_model", "numSpeculativeTokens": 3, "model": "/models/draft"},
+])
+def test_speculative_decoding_reaches_the_engine_in_its_own_flag(speculative):
+    from sluice.cli import build_parser
+
+    body = _example("pool-cpu.yaml")
+    body["spec"]["engine"]["speculative"] = speculative
+    args = _container(_by_kind(render_pool(PoolSpec.from_body(body)))["Deployment"][0])["args"]
+    config = build_parser(args).parse_args(args).speculative_config  # the engine's own type
+    assert config.method == speculative["method"]
+    assert config.num_speculative_tokens == speculative["numSpeculativeTokens"]
+
+
 def test_hf_source_with_sluice_engine_downloads_in_an_init_container():
     body = _example("pool-cpu.yaml")
     body["spec"]["model"]["source"] = {"huggingFace": {"repo": "HuggingFaceTB/SmolLM2-135M"}}
@@ -175,6 +191,8 @@ def test_rendering_is_pure_and_hash_tracks_changes():
     (lambda s: s.pop("replicas"), "exactly one of spec.replicas"),
     (lambda s: s["engine"].update(kind="vllm"), "needs spec.model.source"),
     (lambda s: s.update(autoscaling={"minReplicas": 3, "maxReplicas": 2}), "minReplicas"),
+    (lambda s: s["engine"].update(speculative={"method": "draft_model",
+                                               "numSpeculativeTokens": 2}), "model is required"),
 ])
 def test_spec_errors_the_schema_also_rejects(mutate, message):
     body = _example("pool-cpu.yaml")

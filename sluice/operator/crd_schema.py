@@ -17,6 +17,7 @@ Schema = dict[str, Any]
 
 ENGINE_KINDS = ("sluice", "vllm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "early_exit")
 
 # A Kubernetes resource.Quantity, not negative: digits with an optional fraction, then a
 # binary (Ki … Ei), decimal (n u m k M G T P E) or exponent (e3) suffix. What the API server
@@ -177,10 +178,41 @@ def engine_schema() -> Schema:
             "args": prop("array", "Extra engine flags, appended as given.",
                          items=prop("string", "One flag or value.")),
             "env": prop("array", "Extra environment variables.", items=env_var),
+            "speculative": speculative_schema(),
         },
         default={},
         **_rules(cel("self.kind == 'sluice' || !has(self.kvCacheMemory)",
-                     "engine.kvCacheMemory is only for kind sluice")),
+                     "engine.kvCacheMemory is only for kind sluice"),
+                 cel("self.kind == 'sluice' || !has(self.speculative) || "
+                     "self.speculative.method != 'early_exit'",
+                     "engine.speculative early_exit is only for kind sluice")),
+    )
+
+
+def speculative_schema() -> Schema:
+    return obj(
+        "Speculative decoding (vLLM's --speculative-config): a cheap proposer drafts tokens "
+        "that the model verifies in one step; the output distribution stays the model's.",
+        {
+            "method": prop("string", "ngram (prompt lookup), draft_model (a smaller model "
+                           "with the same vocabulary) or early_exit (the model's own first "
+                           "layers; sluice only).", enum=list(SPECULATIVE_METHODS)),
+            "numSpeculativeTokens": prop("integer", "Tokens drafted per step.", minimum=1,
+                                         maximum=16),
+            "promptLookupMin": prop("integer", "ngram: the shortest suffix matched.",
+                                    minimum=1),
+            "promptLookupMax": prop("integer", "ngram: the longest suffix matched.",
+                                    minimum=1),
+            "model": prop("string", "draft_model: the draft model's path or repository.",
+                          minLength=1),
+            "numLayers": prop("integer", "early_exit: how many of the model's first layers "
+                              "draft.", minimum=1),
+        },
+        required=["method", "numSpeculativeTokens"],
+        **_rules(cel("self.method != 'draft_model' || has(self.model)",
+                     "speculative.model is required for draft_model"),
+                 cel("self.method != 'early_exit' || has(self.numLayers)",
+                     "speculative.numLayers is required for early_exit")),
     )
 
 

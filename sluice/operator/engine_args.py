@@ -117,6 +117,9 @@ def engine_command(pool: PoolSpec, role: str = "") -> tuple[list[str], list[str]
     """(command, args) of the engine container of `role`."""
     command, args = ((["vllm", "serve"], vllm_args(pool)) if pool.engine.kind == "vllm"
                      else (["sluice"], sluice_args(pool)))
+    if pool.engine.speculative:
+        args += ["--speculative-config",
+                 json.dumps(dict(pool.engine.speculative), separators=(",", ":"))]
     transfer = kv_transfer_config(pool, role)
     if transfer is not None:
         args += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]

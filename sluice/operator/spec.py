@@ -120,6 +120,8 @@ class EngineSpec:
     prefix_caching: bool = True
     args: tuple[str, ...] = ()
     env: tuple[Mapping[str, Any], ...] = ()
+    # --speculative-config as the engines take it (vLLM's JSON keys); None: no speculation
+    speculative: tuple[tuple[str, Any], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -211,7 +213,27 @@ def _engine(e: Mapping[str, Any]) -> EngineSpec:
         kv_cache_memory=e.get("kvCacheMemory"), dtype=e.get("dtype", "auto"),
         prefix_caching=bool(e.get("prefixCaching", True)),
         args=tuple(e.get("args") or ()), env=tuple(e.get("env") or ()),
+        speculative=_speculative(e.get("speculative"), e.get("kind", "sluice")),
     )
+
+
+_SPECULATIVE_KEYS = {"method": "method", "numSpeculativeTokens": "num_speculative_tokens",
+                     "promptLookupMin": "prompt_lookup_min",
+                     "promptLookupMax": "prompt_lookup_max", "model": "model",
+                     "numLayers": "num_layers"}
+
+
+def _speculative(s: Mapping[str, Any] | None, kind: str) -> tuple[tuple[str, Any], ...] | None:
+    """spec.engine.speculative in vLLM's --speculative-config keys (the schema's rules,
+    checked again for pools the API server did not validate)."""
+    if not s:
+        return None
+    method = s.get("method")
+    if method == "draft_model" and not s.get("model"):
+        raise SpecError("spec.engine.speculative.model is required for draft_model")
+    if method == "early_exit" and (kind != "sluice" or not s.get("numLayers")):
+        raise SpecError("spec.engine.speculative early_exit needs kind sluice and numLayers")
+    return tuple((_SPECULATIVE_KEYS[k], v) for k, v in s.items() if k in _SPECULATIVE_KEYS)
 
 
 def _source(s: Mapping[str, Any] | None) -> ModelSource:
