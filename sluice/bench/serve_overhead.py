@@ -1,7 +1,7 @@
 """Gateway overhead against a direct call (helper of `sluice bench serve`).
 
     python -m sluice.bench.serve_overhead [--rate 200] [--requests 2000]
-        [--paths direct,envoy,envoy_picker_rr,envoy_picker]
+        [--paths direct,envoy,envoy_picker_rr,envoy_picker] [--phases]
 
 Starts an instant OpenAI-shaped upstream (answers every completion at once,
 so only the HTTP path is measured) and a redis-server, then sends the same
@@ -16,7 +16,10 @@ tokenization is reused) along each path in turn, in one run:
 
 It reports each path's latency percentiles and their difference to `direct`,
 the routing process's mean routing time (its histogram) and its CPU time per
-request (from /proc: steadier than latency on shared cores).
+request, and Envoy's (from /proc: steadier than latency on shared cores).
+`--phases` adds Envoy's own timing of each ext_proc exchange (its access log:
+request headers, request body, response headers, in us) and of the request and
+response paths through it (first byte in to first byte out, us).
 """
 
 from __future__ import annotations
@@ -157,15 +160,47 @@ def _means_ms(before: dict, after: dict) -> dict[str, float]:
 
 
 class _Path:
-    """One way to reach the upstream: its URL, the process whose CPU counts, and the
-    URL of its own /metrics (the routing histograms)."""
+    """One way to reach the upstream: its URL, the process whose CPU counts, the URL of
+    its own /metrics (the routing histograms) and its Envoy."""
 
-    def __init__(self, url: str, pid: int | None = None, metrics: str | None = None) -> None:
-        self.url, self.pid, self.metrics = url, pid, metrics
+    def __init__(self, url: str, pid: int | None = None, metrics: str | None = None,
+                 envoy=None) -> None:
+        self.url, self.pid, self.metrics, self.envoy = url, pid, metrics, envoy
+
+
+# --phases: Envoy's access log line per request (ext_proc's per-call figures, in us).
+_EXT_PROC = "%FILTER_STATE(envoy.filters.http.ext_proc:FIELD:{})%"
+PHASES = {"request_headers": _EXT_PROC.format("request_header_latency_us"),
+          "request_body": _EXT_PROC.format("request_body_total_latency_us"),
+          "response_headers": _EXT_PROC.format("response_header_latency_us"),
+          "request_path": "%COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)%",
+          "response_path": "%COMMON_DURATION(US_RX_BEG:DS_TX_BEG:us)%"}
+
+
+def _phase_log(bootstrap: dict) -> None:
+    hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    hcm["typed_config"]["access_log"] = [{
+        "name": "envoy.access_loggers.stdout", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.stream.v3."
+                     "StdoutAccessLog",
+            "log_format": {"text_format_source": {
+                "inline_string": " ".join(PHASES.values()) + "\n"}}}}]
+
+
+def _phases(envoy, n: int) -> dict[str, float]:
+    """p50/p90/p99 of each of PHASES over the last `n` requests Envoy logged."""
+    rows = [line.split() for line in envoy.access_log().splitlines()[-n:]]
+    out = {}
+    for i, name in enumerate(PHASES):
+        v = [float(r[i]) for r in rows if len(r) == len(PHASES) and r[i] != "-"]
+        for q in (50, 90, 99):
+            if v:
+                out[f"phase_{name}_us_p{q}"] = float(np.percentile(v, q))
+    return out
 
 
 def _start_path(name: str, up_port: int, redis_url: str, routing: str, extra: list[str],
-                procs: list) -> _Path:
+                procs: list, phases: bool = False) -> _Path:
     from sluice.default_model import resolve_model
     from sluice.gateway.envoy.bootstrap import EnvoyConfig, render_bootstrap
     from sluice.gateway.envoy.process import EnvoyProcess
@@ -192,11 +227,13 @@ def _start_path(name: str, up_port: int, redis_url: str, routing: str, extra: li
                                        picker_routing, *common, *extra]))
         pid, metrics = procs[-1].pid, f"http://127.0.0.1:{metrics_port}"
         _wait(metrics + "/metrics")
-    envoy = EnvoyProcess(cfg, bootstrap=bootstrap, concurrency=1).start()
+    if phases:
+        _phase_log(bootstrap)
+    envoy = EnvoyProcess(cfg, bootstrap=bootstrap, concurrency=1, flush_interval_ms=100).start()
     procs.append(envoy)
     url = f"http://127.0.0.1:{envoy.listen_port}"
     _wait_routed(url)
-    return _Path(url, pid, metrics)
+    return _Path(url, pid, metrics, envoy)
 
 
 def _wait_routed(url: str, timeout: float = 60) -> None:
@@ -225,6 +262,8 @@ def main() -> int:
     p.add_argument("--gateway-arg", action="append", default=[],
                    help="extra argument of `sluice epp` (repeatable, "
                         "e.g. --gateway-arg=--speculative-flush-ms=50)")
+    p.add_argument("--phases", action="store_true",
+                   help="also Envoy's timing of each ext_proc exchange (an access log)")
     p.add_argument("--fake-upstream", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.fake_upstream:
@@ -252,10 +291,12 @@ def main() -> int:
             started = len(procs)
             path = _Path(up) if name == "direct" else _start_path(
                 name, up_port, f"redis://127.0.0.1:{redis_port}/0", args.routing,
-                args.gateway_arg, procs)
+                args.gateway_arg, procs, args.phases)
             asyncio.run(drive(path.url, [maker.text(200) for _ in range(100)], 50, 1))  # warm
             before = _gateway_sums(path.metrics) if path.metrics else {}
             cpu0 = _cpu_s(path.pid) if path.pid else None
+            envoy_pid = path.envoy.proc.pid if path.envoy else None
+            envoy0 = _cpu_s(envoy_pid) if envoy_pid else None
             lat, failed, achieved = asyncio.run(drive(path.url, prompts, args.rate, 0))
             out[f"{name}_failed"], out[f"{name}_achieved_rate"] = failed, achieved
             for q in (50, 90, 99):
@@ -269,6 +310,13 @@ def main() -> int:
             cpu1 = _cpu_s(path.pid) if path.pid else None
             if cpu0 is not None and cpu1 is not None:  # includes its scrapes and probes
                 out[f"{name}_cpu_ms_per_request"] = 1000 * (cpu1 - cpu0) / len(prompts)
+            envoy1 = _cpu_s(envoy_pid) if envoy_pid else None
+            if envoy0 is not None and envoy1 is not None:
+                out[f"{name}_envoy_cpu_ms_per_request"] = 1000 * (envoy1 - envoy0) / len(prompts)
+            if args.phases and path.pid:
+                time.sleep(0.3)  # (Envoy writes its access log every 100 ms)
+                for key, value in _phases(path.envoy, len(prompts)).items():
+                    out[f"{name}_{key}"] = value
             for proc in reversed(procs[started:]):  # one path at a time on the machine
                 _stop(proc)
             del procs[started:]

@@ -78,25 +78,24 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 elif phase == "response_headers":
                     yield self._response_headers(ex, req)
                 elif phase == "response_body":
-                    yield pb.ProcessingResponse(response_body=pb.BodyResponse())
+                    yield msg.RESPONSE_BODY_CONTINUE
                 elif phase == "request_trailers":
                     yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
                 elif phase == "response_trailers":
-                    yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+                    yield msg.RESPONSE_TRAILERS_CONTINUE
         finally:
             if ex.attempt is not None:
                 ex.attempt.done()
 
     def _request_headers(self, ex: _Exchange, req: pb.ProcessingRequest) -> pb.ProcessingResponse:
-        headers = msg.header_map(req.request_headers)
-        method, path = headers.get(":method", ""), headers.get(":path", "").split("?", 1)[0]
+        method, path, authorization = msg.request_line(req.request_headers)
         core = self.picker.core
         if path == "/health" and method == "GET":  # (probes carry no key)
             status, body = core.health_body()
             return msg.immediate(status, json.dumps(body).encode())
         key_name = None
         if not self.keys.open:
-            key_name = self.keys.name_of(headers.get("authorization"))
+            key_name = self.keys.name_of(authorization)
             if key_name is None:
                 core.metrics.errors.labels("unauthorized").inc()
                 return msg.immediate_error(
@@ -111,9 +110,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             ex.subset = msg.subset_hint(req)
             # A gateway key stays here (the engines never see it); an open gateway passes
             # the header on, for engines that check their own key (vLLM's --api-key).
-            strip = (msg.DESTINATION,) if key_name is None else (msg.DESTINATION,
-                                                                 "authorization")
-            return msg.continue_request_headers(remove=strip, key_name=key_name)
+            if key_name is None:
+                return msg.CONTINUE_OPEN
+            return msg.continue_request_headers(remove=(msg.DESTINATION, "authorization"),
+                                                key_name=key_name)
         if path == "/v1/models" and method == "GET":
             return msg.immediate(200, json.dumps(core.models_body()).encode())
         if kind is not None or path in ("/v1/models", "/health"):
@@ -124,7 +124,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     async def _request_body(self, ex: _Exchange, req: pb.ProcessingRequest
                             ) -> pb.ProcessingResponse:
         if ex.kind is None:  # a body on a request already answered
-            return pb.ProcessingResponse(request_body=pb.BodyResponse())
+            return msg.REQUEST_BODY_CONTINUE
         subset = msg.subset_hint(req)  # (on every message, or on the headers' only)
         result = await self.picker.pick(ex.kind, req.request_body.body,
                                         ex.subset if subset is None else subset, ex.key_name)
