@@ -15,6 +15,7 @@ import torch
 
 from sluice.engine.attention.backend import AttentionBackend
 from sluice.engine.config import ModelConfig
+from sluice.engine.model.cpu_linear import can_pack, pack_linears
 from sluice.engine.model.decoder import CausalLM
 from sluice.engine.shapes import SHAPES
 
@@ -61,6 +62,8 @@ def load_model(model: str, load_format: str, backend: AttentionBackend, dtype: t
         _load_weights(lm, load_gguf(model)[1])
     else:
         _load_weights(lm, _iter_safetensors(model))
+    if can_pack(dtype, device):
+        pack_linears(lm)  # (after loading: packing copies the weights it is given)
     return lm.eval()
 
 
