@@ -30,8 +30,8 @@ def metric(pod: str, name: str, label: str = "") -> float:
                if line.startswith((name + "{", name + " ")) and label in line)
 
 
-def complete(url: str, prompt: str) -> httpx.Response:
-    r = httpx.post(url + "/v1/completions", timeout=120, json={
+def complete(url: str, prompt: str, headers: dict[str, str] | None = None) -> httpx.Response:
+    r = httpx.post(url + "/v1/completions", timeout=120, headers=headers, json={
         "model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
         "ignore_eos": True})
     assert r.status_code == 200, r.text
@@ -65,7 +65,9 @@ def test_up_prefill_decode_serves_long_prompts_disaggregated(tiny_chat_model):
         assert metric(decode, "sluice:kv_transfer_fallbacks_total") == 0
 
         moved = (metric(prefill, *PULLED), metric(decode, *RECEIVED))
-        r = complete(url, SHORT)  # below the picker's threshold: the decode engine prefills
+        # below the picker's threshold: the decode engine prefills, whatever prefill pod the
+        # client names (Envoy strips the header on the picker's word)
+        r = complete(url, SHORT, {"x-prefiller-host-port": prefill})
         assert (r.headers["x-sluice-pod"], r.headers["x-sluice-pd"]) == (decode, "short")
         assert "x-sluice-prefill-pod" not in r.headers
         assert r.json()["choices"][0]["text"] == \
