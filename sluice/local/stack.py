@@ -104,7 +104,7 @@ class LocalStack:
         self.engines: list[Child] = []
         self.engine_urls: list[str] = []
         self.engine_specs: list[str] = []
-        self.engine_roles: list[EngineRole] = []
+        self.prefill_urls: set[str] = set()  # engines no client is sent to
         self.picker: Child | None = None
         self.envoy: Child | None = None
         self.url = f"{'https' if cfg.tls_cert else 'http'}://{cfg.host}:{cfg.port}"
@@ -171,7 +171,8 @@ class LocalStack:
             self.engines.append(Child(role.name, argv, self.out, i + 1, env))
             url = f"http://127.0.0.1:{port}"
             self.engine_urls.append(url)
-            self.engine_roles.append(role)
+            if not role.destination:
+                self.prefill_urls.add(url)
             self.engine_specs.append(f"{url},events={events},replay={replay}"
                                      + (f",role={role.role}" if role.role else ""))
         for url in self.engine_urls:
@@ -205,9 +206,8 @@ class LocalStack:
                           admin_port=admin_port, picker_port=grpc_port,
                           # (the destinations only: the picker never sends a client to a
                           # prefill engine)
-                          endpoints=tuple(u.removeprefix("http://") for u, r in zip(
-                              self.engine_urls, self.engine_roles, strict=True)
-                              if r.destination),
+                          endpoints=tuple(u.removeprefix("http://") for u in self.engine_urls
+                                          if u not in self.prefill_urls),
                           route_prefixes=("/v1/", "/health"), **self._tls_files())
         path = os.path.join(self.dir, "envoy.yaml")
         write_config(cfg, path)  # (with TLS, the SDS file beside it)
@@ -250,7 +250,8 @@ class LocalStack:
             c.proc.terminate()
         for c in self.engines:
             c.stop()
-        self.engines, self.engine_urls, self.engine_specs, self.engine_roles = [], [], [], []
+        self.engines, self.engine_urls, self.engine_specs = [], [], []
+        self.prefill_urls = set()
 
     def stop(self) -> None:
         """Envoy and the picker first, then engines, then Redis; removes the temp folder. A
