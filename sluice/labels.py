@@ -14,7 +14,8 @@ INSTANCE = "app.kubernetes.io/instance"
 MANAGED_BY = "app.kubernetes.io/managed-by"
 COMPONENT = "app.kubernetes.io/component"
 POOL = "sluice.dev/pool"
-ROLE = "sluice.dev/role"
+ROLE = "sluice.dev/role"  # serve, prefill or decode
+LLMD_ROLE = "llm-d.ai/role"  # llm-d's: prefill, decode or both (the picker reads it too)
 
 MODEL_ANNOTATION = "sluice.dev/model"  # model names are not valid label values
 SPEC_HASH_ANNOTATION = "sluice.dev/spec-hash"

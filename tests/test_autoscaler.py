@@ -20,12 +20,12 @@ POLICY = AutoscalingSpec(enabled=True, min_replicas=1, max_replicas=6,
                          scale_up_stabilization_s=30, scale_down_stabilization_s=120)
 
 
-def simulate(series, policy=POLICY, start=2, step=10.0):
+def simulate(series, policy=POLICY, start=2, step=10.0, role="serve"):
     """Feed (kv, queue) samples every `step` s; returns the replica count after each."""
     replicas, history, out = start, (), []
     for i, load in enumerate(series):
         sample = None if load is None else LoadSample(load[0], load[1], replicas)
-        d = decide(policy, replicas, sample, history, now=i * step)
+        d = decide(policy, replicas, sample, history, now=i * step, role=role)
         replicas, history = d.replicas, d.history
         out.append(replicas)
     return out
@@ -53,6 +53,18 @@ def test_idle_scales_down_only_after_the_down_window():
     first_drop = out.index(next(x for x in out if x < 4))
     assert first_drop * 10 >= POLICY.scale_down_stabilization_s
     assert out[-1] == POLICY.min_replicas
+
+
+def test_each_role_scales_on_its_own_signal():
+    """prefill on waiting requests only, decode on KV usage only; serve on either."""
+    queue_only, kv_only = [(0.05, 24)] * 20, [(0.95, 0)] * 20  # past both windows
+    assert simulate(queue_only, role="prefill")[-1] > 2
+    assert simulate(kv_only, role="prefill")[-1] < 2  # a full cache (held for pulls): idle
+    assert simulate(kv_only, role="decode")[-1] > 2
+    assert simulate(queue_only, role="decode")[-1] < 2  # a queue alone: no new decode pods
+    assert simulate(queue_only)[-1] > 2 and simulate(kv_only)[-1] > 2
+    d = decide(POLICY, 2, LoadSample(0.95, 24, 2), (), 0.0, role="decode")
+    assert "KV cache usage" in d.message and "queue" not in d.message
 
 
 def test_within_tolerance_holds_steady():
@@ -121,6 +133,43 @@ def test_timer_scales_the_pool_and_posts_an_event():
                 "a ScaledDown event")
             await client.close()
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_timer_scales_prefill_and_decode_each_on_its_own_signal():
+    """A prefill/decode pool whose prefill engines have a queue and whose decode engines
+    have a nearly full cache: both roles grow, each through spec.roles.<role>.replicas;
+    then the queue drains but the cache stays full: only prefill shrinks."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    body = yaml.safe_load((root / "charts/sluice/examples/pool-disaggregated.yaml").read_text())
+    for role in ("prefill", "decode"):
+        body["spec"]["roles"][role]["autoscaling"] = {
+            "enabled": True, "minReplicas": 1, "maxReplicas": 4,
+            "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 0}
+    # (kv, waiting) per role: the other signal is set to the opposite extreme, so a role
+    # scaled on the wrong signal moves the wrong way
+    load = {"prefill": (0.99, 30.0), "decode": (0.99, 0.0)}
+
+    async def sampler(endpoints, role):
+        ready = [e for e in endpoints if e["ready"] and e["role"] == role]
+        return LoadSample(*load[role], len(ready)) if ready else None
+
+    async def scenario():
+        async with cluster() as (api, server), \
+                operator(server, sampler=sampler, autoscale_interval_s=0.2), controllers(api):
+            client = kube.KubeClient.from_connection(connection(server))
+            await client.create(kube.POOLS, "default", body)
+            roles = lambda: api.store.get(api.kind("inferencepools"), "default",
+                                          "qwen3-pd")["spec"]["roles"]
+            await eventually(lambda: (roles()["prefill"]["replicas"],
+                                      roles()["decode"]["replicas"]) == (4, 4), 15, "both up")
+            load["prefill"] = (0.99, 0.0)  # queue drained (its KV held for pulls)
+            await eventually(lambda: roles()["prefill"]["replicas"] == 1, 15, "prefill down")
+            assert roles()["decode"]["replicas"] == 4
+            await eventually(lambda: api.store.get(api.kind("deployments"), "default",
+                                                   "qwen3-pd-prefill")["spec"]["replicas"] == 1,
+                             5, "the prefill Deployment follows")
+            await client.close()
+    asyncio.run(asyncio.wait_for(scenario(), 90))
 
 
 def test_sample_pool_scrapes_ready_engines_of_the_role_and_skips_failures():

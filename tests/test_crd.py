@@ -30,8 +30,12 @@ def test_crd_names_and_subresources():
     version = c["spec"]["versions"][0]
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
     assert "status" in version["subresources"]
-    columns = [col["name"] for col in version["additionalPrinterColumns"]]
-    assert columns[:4] == ["Model", "Replicas", "Ready", "KV-Usage"] and columns[-1] == "Age"
+    columns = {col["name"]: col["jsonPath"] for col in version["additionalPrinterColumns"]}
+    assert list(columns)[:6] == ["Model", "Replicas", "Ready", "Prefill", "Decode", "KV-Usage"]
+    assert list(columns)[-1] == "Age"
+    # both roles' replicas of a prefill/decode pool (the status the operator writes)
+    assert (columns["Prefill"], columns["Decode"]) == (".status.roles.prefill.replicas",
+                                                       ".status.roles.decode.replicas")
 
 
 @pytest.mark.parametrize("version", ["1.30", "1.37"])

@@ -30,12 +30,14 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 120) -> None
         time.sleep(0.3)
 
 
-def start_up(model, engines: int, engine_args: str, **popen) -> tuple[subprocess.Popen, str]:
-    """`sluice up` serving `model` as "tiny" on a free port: (process, gateway URL)."""
+def start_up(model, engines: int, engine_args: str, shape: tuple[str, ...] = (),
+             **popen) -> tuple[subprocess.Popen, str]:
+    """`sluice up` serving `model` as "tiny" on a free port: (process, gateway URL).
+    `shape`: engine flags instead of `--engines engines` (e.g. --prefill 1 --decode 1)."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sluice.cli", "up", "--engines", str(engines), "--model",
-         str(model), "--served-model-name", "tiny", "--port", str(port),
+        [sys.executable, "-m", "sluice.cli", "up", *(shape or ("--engines", str(engines))),
+         "--model", str(model), "--served-model-name", "tiny", "--port", str(port),
          "--engine-args", engine_args], **popen)
     return proc, f"http://127.0.0.1:{port}"
 

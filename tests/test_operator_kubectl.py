@@ -58,9 +58,19 @@ def test_kubectl_apply_get_scale_delete():
                                      5, "ready")
                     table = await k("get", "inferencepools.sluice.dev")
                     header, row = table.strip().splitlines()[:2]
-                    assert header.split() == ["NAME", "MODEL", "REPLICAS", "READY",
-                                              "KV-USAGE", "AGE"]
+                    assert header.split() == ["NAME", "MODEL", "REPLICAS", "READY", "PREFILL",
+                                              "DECODE", "KV-USAGE", "AGE"]
                     assert row.split()[:4] == ["smollm2", "smollm2-135m-instruct", "1", "1"]
+                    # a prefill/decode pool shows each role's replicas
+                    await k("apply", "--validate=false", "-f",
+                            str(ROOT / "charts/sluice/examples/pool-disaggregated.yaml"))
+                    pd_pool = lambda: api.store.get(api.kind("inferencepools"), "default",
+                                                    "qwen3-pd")
+                    await eventually(lambda: pd_pool().get("status", {}).get(
+                        "readyReplicas") == 3, 10, "prefill/decode pool ready")
+                    pd_row = (await k("get", "spool", "qwen3-pd")).strip().splitlines()[1]
+                    assert pd_row.split()[:6] == ["qwen3-pd", "qwen3-0.6b", "3", "3", "1", "2"]
+                    await k("delete", "spool/qwen3-pd", "--wait=true", "--timeout=20s")
                     wide = await k("get", "spool", "-o", "wide")
                     assert "AllReplicasReady" in wide and "Warning" not in wide
 

@@ -71,8 +71,9 @@ def pool():
 def test_a_request_is_routed_with_fallbacks_in_header_and_metadata(pool):
     _, client, pods = pool
     first, routed = client.exchange(post(), body({"model": "m", "prompt": "hi"}))
-    # a client-sent destination is stripped before anything else
-    assert list(first.request_headers.response.header_mutation.remove_headers) == [DESTINATION]
+    # a client-sent destination or prefill pod is stripped before anything else
+    assert list(first.request_headers.response.header_mutation.remove_headers) == [
+        DESTINATION, "x-prefiller-host-port"]
     endpoints = destination(routed).split(",")
     assert sorted(endpoints) == sorted(pods)  # the chosen one, then the other
 

@@ -53,11 +53,23 @@ def test_continuing_asks_for_the_body_and_response_headers_and_strips_as_told():
             header_mutation=pb.HeaderMutation(remove_headers=list(strip)))),
         mode_override=mode, dynamic_metadata=_lb({msg.KEY_NAME: "team-a"}))
     assert msg.continue_request_headers(strip, "team-a") == expected
-    # an open gateway's answer, built once: no key name, only the destination stripped
+    # an open gateway's answer, built once: no key name, only the picker's own headers
+    # stripped (the destination and the prefill pod: a client must choose neither)
     assert msg.CONTINUE_OPEN == pb.ProcessingResponse(
         request_headers=pb.HeadersResponse(response=pb.CommonResponse(
-            header_mutation=pb.HeaderMutation(remove_headers=[msg.DESTINATION]))),
+            header_mutation=pb.HeaderMutation(remove_headers=[
+                msg.DESTINATION, "x-prefiller-host-port"]))),
         mode_override=mode)
+
+
+def test_a_disaggregated_route_names_the_prefill_pod_in_llm_d_s_header():
+    endpoints = ("10.0.0.1:8000",)
+    headers = {msg.DESTINATION: endpoints[0], "x-prefiller-host-port": "10.0.0.9:8000"}
+    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=_options(headers)),
+                               clear_route_cache=True)
+    expected = pb.ProcessingResponse(dynamic_metadata=_lb({msg.DESTINATION: endpoints[0]}),
+                                     request_body=pb.BodyResponse(response=common))
+    assert msg.route_to(endpoints, True, prefiller="10.0.0.9:8000") == expected
 
 
 def test_response_headers_are_overwritten_or_added():

@@ -7,6 +7,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from sluice.gateway.routing.config import STRATEGIES
+from sluice.gateway.routing.pd import PREFILLED
 
 _LAT = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -31,6 +32,11 @@ class GatewayMetrics:
             "sluice_gateway_errors", "Errors by kind", ["kind"], registry=r)
         self.requests = Counter("sluice_gateway_requests", "Requests admitted, by API key name",
                                 ["api_key"], registry=r)
+        # prefill/decode pools: decision "prefill" (a prefill pod named in
+        # x-prefiller-host-port) or "skipped", with why (routing/pd.py)
+        self.pd_decisions = Counter("sluice_gateway_pd_decisions",
+                                    "Disaggregation decisions in pools with prefill pods",
+                                    ["decision", "reason"], registry=r)
         self.retries = Counter("sluice_gateway_retries", "Retries on another pod", registry=r)
         self.index_mode = Gauge("sluice_gateway_index_mode",
                                 "1 for the index mode in use (redis / local / local_only)",
@@ -53,6 +59,13 @@ class GatewayMetrics:
         self.child(self.hit_blocks, strategy).observe(hit_blocks)
         if total_blocks:
             self.child(self.hit_ratio, strategy).observe(hit_blocks / total_blocks)
+
+    def pd_decided(self, outcome: str) -> None:
+        """`outcome`: `routing.pd`'s PREFILLED, SHORT or NO_PREFILL_POD."""
+        if outcome == PREFILLED:
+            self.child(self.pd_decisions, "prefill", "uncached_at_threshold").inc()
+        else:
+            self.child(self.pd_decisions, "skipped", outcome).inc()
 
     def forget_pod(self, pod: str) -> None:
         """Drop a removed pod's series (pods come and go; series must not pile up)."""

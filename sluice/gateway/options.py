@@ -16,7 +16,8 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
     """Discovery, index, load and routing (`sluice epp`, the overhead benchmark)."""
     p.add_argument("--engine", action="append", default=[], metavar="SPEC",
                    help="static engine: URL[,events=tcp://h:5557][,replay=tcp://h:5558]"
-                        "[,model=NAME][,pool=P] (repeatable)")
+                        "[,model=NAME][,pool=P][,role=prefill|decode|both] (repeatable; "
+                        "prefill engines are never a destination, see --pd-threshold-tokens)")
     p.add_argument("--discovery", choices=("static", "kubernetes"), default="static")
     p.add_argument("--namespace", action="append", default=None, metavar="NS[,NS...]",
                    help="kubernetes: namespaces to watch, the operator's (repeatable, or a "

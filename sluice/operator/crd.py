@@ -40,6 +40,9 @@ PRINTER_COLUMNS = [
     {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
     {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
     {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
+    # a prefill/decode pool's roles (each scaled on its own); empty for a plain pool
+    {"name": "Prefill", "type": "integer", "jsonPath": ".status.roles.prefill.replicas"},
+    {"name": "Decode", "type": "integer", "jsonPath": ".status.roles.decode.replicas"},
     {"name": "KV-Usage", "type": "number", "jsonPath": ".status.kvCacheUsage"},
     {"name": "Status", "type": "string",
      "jsonPath": ".status.conditions[?(@.type==\"Ready\")].reason", "priority": 1},

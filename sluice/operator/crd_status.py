@@ -51,8 +51,9 @@ def status_schema() -> Schema:
                                 "x-kubernetes-list-map-keys": ["type"]}),
         "endpoints": prop("array", "The engine pods with an IP.", items=endpoint),
         "kvCacheUsage": prop("number", "Mean KV cache usage (0-1) at the last autoscaler "
-                               "sample."),
-        "queueDepth": prop("number", "Mean waiting requests per engine at that sample."),
+                               "sample (of the decode engines in a prefill/decode pool)."),
+        "queueDepth": prop("number", "Mean waiting requests per engine at that sample (of "
+                             "the prefill engines in a prefill/decode pool)."),
         "lastScaleTime": prop("string", "When the autoscaler last changed replicas.",
                                 format="date-time"),
     })

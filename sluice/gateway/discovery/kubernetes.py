@@ -6,7 +6,8 @@ when a pool is given) in the namespaces the operator serves: the same list (the 
 `sluice.labels`, the operator's own contract. A pod counts when it has an IP, is not being
 deleted and its Ready condition is True. The model is the `sluice.dev/model` annotation;
 ports are the container ports named `http` / `kv-events` / `kv-replay` (defaults 8000 /
-5557 / 5558). Each namespace is watched on a thread of its own (the `kubernetes` client is
+5557 / 5558). The role (prefill/decode pools) is the `sluice.dev/role` label, else llm-d's
+`llm-d.ai/role` (`static.parse_role`). Each namespace is watched on a thread of its own (the `kubernetes` client is
 synchronous; a namespaced Role allows no cluster-wide watch) that re-lists after any error
 or expiry, with a capped backoff.
 """
@@ -20,7 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from sluice import labels
-from sluice.gateway.discovery.static import Endpoint, OnChange
+from sluice.gateway.discovery.static import Endpoint, OnChange, parse_role
 
 log = logging.getLogger("sluice.gateway.k8s")
 
@@ -71,7 +72,9 @@ def pod_endpoint(pod: Any, namespace: str) -> Endpoint | None:
                     namespace=_get(pod, "metadata", "namespace") or namespace,
                     events=f"tcp://{host}:{ports['kv-events']}",
                     replay=f"tcp://{host}:{ports['kv-replay']}",
-                    events_curve=_flag(annotations.get(labels.KV_EVENTS_CURVE_ANNOTATION)))
+                    events_curve=_flag(annotations.get(labels.KV_EVENTS_CURVE_ANNOTATION)),
+                    role=parse_role(pod_labels.get(labels.ROLE)
+                                    or pod_labels.get(labels.LLMD_ROLE)))
 
 
 def _flag(value: str | None) -> bool | None:

@@ -77,6 +77,11 @@ class PodRegistry:
         ep = self._endpoints.get(pod)
         return None if ep is None else ep.url
 
+    def role_of(self, pod: str) -> str | None:
+        """The pod's role (`static.parse_role`); None: none given, or an unknown pod."""
+        ep = self._endpoints.get(pod)
+        return None if ep is None else ep.role
+
     def active(self) -> dict[str, str]:
         """{pod: base URL} of pods with a known model (scraped for load)."""
         return {p: self._endpoints[p].url for p in self._models}

@@ -94,8 +94,9 @@ class Router:
         if not strategy.ranked:
             i = next(self._rr) % len(cands)
             order = [c.pod for c in cands[i:] + cands[:i]]
+            # no hits known: the whole prompt is the pod's to compute
             return Decision(order[0], strategy.name, 0, 0, self.index_mode(), "round robin",
-                            fallbacks=tuple(order[1:]))
+                            prefill_tokens=len(token_ids), fallbacks=tuple(order[1:]))
         keys_by: dict[tuple[str, int], list[str]] = {}
         for c in cands:
             bs = c.block_size = self.pods.block_size(c.pod) or self.cfg.default_block_size

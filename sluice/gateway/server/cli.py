@@ -25,6 +25,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="endpoints named after the chosen one, for the data plane's retries")
     p.add_argument("--shed-waiting", type=int, default=d.shed_waiting,
                    help="429 when every eligible engine has this many requests waiting")
+    p.add_argument("--pd-threshold-tokens", type=int, default=d.disagg.threshold_tokens,
+                   help="pools with prefill pods: a prompt of at least this many tokens not "
+                        "cached on the chosen decode pod is prefilled on a prefill pod "
+                        "(x-prefiller-host-port); shorter ones on the decode pod (0: never)")
     p.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY"),
                    help="a client key (Authorization: Bearer KEY), named 'default'; also "
                         "$SLUICE_API_KEY. With no key at all the gateway is open")
@@ -65,13 +69,15 @@ def default_tokenizer(core) -> None:
 
 async def _serve(args: argparse.Namespace) -> None:
     from sluice.gateway.core import RoutingCore
+    from sluice.gateway.routing.pd import PDConfig
     from sluice.gateway.server.api_keys import ApiKeys
     from sluice.gateway.server.grpc_server import PickerServer
 
     core = RoutingCore(*routing_parts(args))
     default_tokenizer(core)
     limits = Limits(args.rate_limit_rpm, args.rate_limit_tpm)
-    server = PickerServer(core, PickerConfig(args.max_fallbacks, args.shed_waiting, limits),
+    server = PickerServer(core, PickerConfig(args.max_fallbacks, args.shed_waiting, limits,
+                                             PDConfig(args.pd_threshold_tokens)),
                           args.host, args.grpc_port, args.metrics_port,
                           ApiKeys(args.api_key, args.api_keys_dir))
     await server.start()

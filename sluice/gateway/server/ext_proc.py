@@ -6,15 +6,18 @@ headers, then its whole body (BUFFERED), then the response's headers:
 - request headers: GET /health is answered at once; then the client's API key is
   checked (`api_keys.py`: 401 without a valid one, when keys are configured);
   GET /v1/models and unknown paths are answered at once (ImmediateResponse); for
-  the two completion routes the picker strips any client-sent destination
-  header (a client must never choose the pod) and the client's key (engines
-  never see it), records the key's name for the access log, and waits for the
-  body;
+  the two completion routes the picker strips any client-sent destination or
+  `x-prefiller-host-port` header (a client must never choose a pod) and the
+  client's key (engines never see it), records the key's name for the access
+  log, and waits for the body;
 - request body: `EndpointPicker.pick` → the endpoints in the destination header
-  and `envoy.lb` metadata, route cache cleared; or an OpenAI-shaped 4xx/5xx;
+  and `envoy.lb` metadata, route cache cleared, and for a disaggregated request
+  the prefill pod in `x-prefiller-host-port`; or an OpenAI-shaped 4xx/5xx;
 - response headers: the endpoint that really served (`envoy.lb` metadata key
   `x-gateway-destination-endpoint-served`) takes over the in-flight accounting,
-  and `x-sluice-pod` / `x-sluice-prefix-hit-blocks` are added;
+  the prefill pod's attempt ends (the decode engine answers once its prefill leg
+  is done), and `x-sluice-pod` / `x-sluice-prefix-hit-blocks` are added (with
+  `x-sluice-pd` / `x-sluice-prefill-pod` in a pool with prefill pods);
 - the stream ends when Envoy is done with the HTTP request (answered, reset,
   client gone): the request's in-flight accounting ends there.
 
@@ -31,6 +34,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from sluice.gateway.load.inflight import Attempt
+from sluice.gateway.routing.pd import NO_ROLES
 from sluice.gateway.routing.router import Decision
 from sluice.gateway.server import messages as msg
 from sluice.gateway.server.api_keys import ApiKeys
@@ -40,7 +44,8 @@ from sluice.gateway.server.picker import ROUTES, EndpointPicker, Pick
 class _Exchange:
     """What one HTTP request's stream has learnt so far."""
 
-    __slots__ = ("attempt", "decision", "key_name", "kind", "subset")
+    __slots__ = ("attempt", "decision", "key_name", "kind", "pd_outcome", "prefill_attempt",
+                 "subset")
 
     def __init__(self) -> None:
         self.kind: str | None = None
@@ -48,6 +53,8 @@ class _Exchange:
         self.subset: frozenset[str] | None = None  # the data plane's subset hint
         self.decision: Decision | None = None
         self.attempt: Attempt | None = None
+        self.prefill_attempt: Attempt | None = None  # the prefill pod's (disaggregated)
+        self.pd_outcome: str | None = None  # `routing.pd`'s, in a pool with prefill pods
 
 
 def decision_headers(d: Decision, pod: str) -> dict[str, str]:
@@ -86,6 +93,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         finally:
             if ex.attempt is not None:
                 ex.attempt.done()
+            if ex.prefill_attempt is not None:
+                ex.prefill_attempt.done()
 
     def _request_headers(self, ex: _Exchange, req: pb.ProcessingRequest) -> pb.ProcessingResponse:
         method, path, authorization = msg.request_line(req.request_headers)
@@ -112,7 +121,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             # the header on, for engines that check their own key (vLLM's --api-key).
             if key_name is None:
                 return msg.CONTINUE_OPEN
-            return msg.continue_request_headers(remove=(msg.DESTINATION, "authorization"),
+            return msg.continue_request_headers(remove=(*msg.PICKER_HEADERS, "authorization"),
                                                 key_name=key_name)
         if path == "/v1/models" and method == "GET":
             return msg.immediate(200, json.dumps(core.models_body()).encode())
@@ -133,8 +142,13 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                                        result.retry_after)
         ex.decision = result.decision
         ex.attempt = self.picker.start(result.decision)
+        if result.prefill is not None:
+            ex.prefill_attempt = self.picker.start(result.prefill)
+        if result.pd_outcome != NO_ROLES:
+            ex.pd_outcome = result.pd_outcome
         return msg.route_to(result.endpoints, after_body=True,
-                            engine_auth=self.picker.core.http.authorization)
+                            engine_auth=self.picker.core.http.authorization,
+                            prefiller=result.prefiller)
 
     def _response_headers(self, ex: _Exchange, req: pb.ProcessingRequest
                           ) -> pb.ProcessingResponse:
@@ -143,6 +157,15 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         served = msg.metadata_string(req, msg.LB_NAMESPACE, msg.SERVED)
         ex.attempt = self.picker.served(ex.attempt, served)
         ex.attempt.prefilled()  # (the answer began: its prefill is no longer pending)
+        prefill_pod = None
+        if ex.prefill_attempt is not None:
+            prefill_pod = ex.prefill_attempt.d.pod
+            ex.prefill_attempt.done()  # (the decode engine answers after its prefill leg)
         if served is None:  # Envoy's own answer: no engine was reached
             return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
-        return msg.add_response_headers(decision_headers(ex.decision, served))
+        headers = decision_headers(ex.decision, served)
+        if ex.pd_outcome is not None:
+            headers["x-sluice-pd"] = ex.pd_outcome
+            if prefill_pod is not None:
+                headers["x-sluice-prefill-pod"] = prefill_pod
+        return msg.add_response_headers(headers)

@@ -3,7 +3,9 @@
 GIE's contract (docs: ../shared/ANCHORS.md, "Gateway API Inference Extension"):
 the chosen `ip:port` and its fallbacks, comma-separated, go in the request header
 `x-gateway-destination-endpoint` *and* in dynamic metadata `envoy.lb` under the
-same key, identical; the route cache is cleared so Envoy routes on them.
+same key, identical; the route cache is cleared so Envoy routes on them. A
+disaggregated request also carries llm-d's `x-prefiller-host-port` (the prefill
+pod's `ip:port`), which only the picker may set: the client's is stripped.
 
 Every request builds two or three of these, so they are filled in place
 (`add()`, field assignment): nested constructor keywords cost ~3x as much in
@@ -27,6 +29,7 @@ SERVED = "x-gateway-destination-endpoint-served"
 SUBSET = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+PREFILLER = "x-prefiller-host-port"  # llm-d's header: the decode engine prefills there
 KEY_NAME = "x-sluice-api-key-name"  # the client key's name, for the access log
 _OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
 # Asked for with the answer to a completion's headers: its body buffered, then its
@@ -83,19 +86,25 @@ def continue_request_headers(remove: tuple[str, ...] = (),
     return answer
 
 
+# Headers a client must never set: the picker alone chooses the pods.
+PICKER_HEADERS = (DESTINATION, PREFILLER)
 # An open gateway's answer to every completion's headers: the same bytes each time.
-CONTINUE_OPEN = continue_request_headers(remove=(DESTINATION,))
+CONTINUE_OPEN = continue_request_headers(remove=PICKER_HEADERS)
 
 
 def route_to(endpoints: tuple[str, ...], after_body: bool,
-             engine_auth: str | None = None) -> pb.ProcessingResponse:
+             engine_auth: str | None = None,
+             prefiller: str | None = None) -> pb.ProcessingResponse:
     """Send the request to `endpoints[0]`, then the others in order on retries;
-    `engine_auth`: the engines' own Authorization header value."""
+    `engine_auth`: the engines' own Authorization header value; `prefiller`: the
+    prefill pod's `ip:port` (`x-prefiller-host-port`), for a disaggregated request."""
     assert endpoints and all(":" in e for e in endpoints), endpoints
     value = ",".join(endpoints)
     headers = {DESTINATION: value}
     if engine_auth is not None:
         headers["authorization"] = engine_auth
+    if prefiller is not None:
+        headers[PREFILLER] = prefiller
     answer = pb.ProcessingResponse()
     common = (answer.request_body if after_body else answer.request_headers).response
     _fill(common.header_mutation.set_headers, headers)

@@ -9,10 +9,12 @@
 4. shedding: when every eligible pod's waiting queue is at `shed_waiting`, 429
    with Retry-After (the engines would queue it or refuse it themselves); and
    the API key's per-minute limits (`rate_limit.py`), counted after tokenizing;
-5. the prompt is tokenized (strategies that read it only; large prompts off
-   the event loop; by a pod's `/tokenize` when the picker has no tokenizer for
-   the model) and the router chooses: the pod, then up to `max_fallbacks`
-   others, best first.
+5. the prompt is tokenized (strategies that read it, and pools with prefill
+   pods, only; large prompts off the event loop; by a pod's `/tokenize` when the
+   picker has no tokenizer for the model) and the router chooses: the pod, then
+   up to `max_fallbacks` others, best first; in a pool with prefill pods, among
+   its decode-capable pods, plus a prefill pod when the prompt's uncached part
+   is long enough (`routing/pd.py`).
 
 In-flight accounting (`InFlight`) follows the pod that really served: the data
 plane reports it with the response, and `served()` moves the attempt there.
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from sluice.gateway.core import RoutingCore
 from sluice.gateway.discovery.pod_client import POD_ERRORS
 from sluice.gateway.load.inflight import Attempt
+from sluice.gateway.routing import pd
 from sluice.gateway.routing.router import Decision
 from sluice.gateway.server.rate_limit import Limits, RateLimiter
 from sluice.gateway.server.requests import BadRequest, parse_request
@@ -46,6 +49,7 @@ class PickerConfig:
     max_fallbacks: int = 2  # endpoints after the primary (Envoy's retries use them)
     shed_waiting: int = 1024  # every pod this deep in waiting requests: 429
     limits: Limits = field(default_factory=Limits)  # per API key, per minute (rate_limit.py)
+    disagg: pd.PDConfig = field(default_factory=pd.PDConfig)  # prefill/decode pools only
 
     def __post_init__(self) -> None:
         assert self.max_fallbacks >= 0 and self.shed_waiting >= 1
@@ -62,10 +66,17 @@ class Rejection:
 @dataclass(frozen=True)
 class Pick:
     decision: Decision
+    prefill: Decision | None = None  # the prefill pod's, when the request is disaggregated
+    pd_outcome: str = pd.NO_ROLES    # `pd.route`'s outcome
 
     @property
     def endpoints(self) -> tuple[str, ...]:
         return (self.decision.pod, *self.decision.fallbacks)
+
+    @property
+    def prefiller(self) -> str | None:
+        """The `x-prefiller-host-port` value: the prefill pod's `ip:port`, or None."""
+        return None if self.prefill is None else self.prefill.pod
 
 
 class EndpointPicker:
@@ -96,12 +107,13 @@ class EndpointPicker:
                 core.metrics.errors.labels("no_pod").inc()
                 return Rejection(503, "no eligible engine in the endpoint subset",
                                  retry_after=1)
-        if self._saturated(pods):
+        decode_pods, prefill_pods = pd.split_roles(pods, core.registry.role_of)
+        if self._saturated(decode_pods or pods):
             core.metrics.errors.labels("shed").inc()
             return Rejection(429, f"every engine of {model!r} has {self.cfg.shed_waiting} "
                                   "or more requests waiting", retry_after=1)
         started = time.perf_counter()
-        token_ids = await self._token_ids(kind, data, len(body), pods)
+        token_ids = await self._token_ids(kind, data, len(body), pods, bool(prefill_pods))
         if key_name is not None and self.cfg.limits.any:
             # every prompt of the body (about 4 bytes a token where none was tokenized),
             # plus n completions of max_tokens each
@@ -112,27 +124,32 @@ class EndpointPicker:
                 return Rejection(429, f"rate limit of API key {key_name!r} reached for this "
                                       "minute", retry_after=wait_s)
         salt = data.get("cache_salt")
-        d = await core.router.route(model, token_ids or [], pods, frozenset(),
-                                    salt if isinstance(salt, str) else None)
-        if d is None:
+        r = await pd.route(core.router, self.cfg.disagg, model, token_ids or [], pods,
+                           core.registry.role_of, salt if isinstance(salt, str) else None)
+        if r is None:
             core.metrics.errors.labels("no_pod").inc()
             return Rejection(503, "no healthy engine for this model", retry_after=1)
+        d = r.decode
         core.metrics.route_seconds.observe(time.perf_counter() - started)
         core.metrics.decided(d.strategy, d.pod, d.hit_blocks, d.total_blocks)
-        return Pick(dataclasses.replace(d, fallbacks=d.fallbacks[:self.cfg.max_fallbacks]))
+        if r.outcome != pd.NO_ROLES:
+            core.metrics.pd_decided(r.outcome)
+        return Pick(dataclasses.replace(d, fallbacks=d.fallbacks[:self.cfg.max_fallbacks]),
+                    r.prefill, r.outcome)
 
     def _saturated(self, pods: list[str]) -> bool:
         fresh = self.core.loads.fresh(time.time() * 1000)
         rows = [fresh.get(p) for p in pods]
         return all(r is not None and r["waiting"] >= self.cfg.shed_waiting for r in rows)
 
-    async def _token_ids(self, kind: str, data: dict, size: int,
-                         pods: list[str]) -> list[int] | None:
+    async def _token_ids(self, kind: str, data: dict, size: int, pods: list[str],
+                         for_pd: bool = False) -> list[int] | None:
         """The prompt's ids: the picker's own tokenizer for the model, else the
         `/tokenize` of one of its pods (vLLM's endpoint, which our engine serves too);
-        None (routing without prefix, counted as a `tokenize` error) when neither can."""
+        None (routing without prefix, counted as a `tokenize` error) when neither can.
+        Read when the strategy uses the prompt, or `for_pd` (its length decides)."""
         core = self.core
-        if not core.strategy.uses_prompt:
+        if not core.strategy.uses_prompt and not for_pd:
             return None
         try:
             if size > INLINE_TOKENIZE_BYTES:
