@@ -96,3 +96,27 @@ def test_the_inverse_cdf_keeps_every_tail_token_reachable():
         u = 1.0 - (head + (chunk.double() + 0.5) / (vocab - 1) * tail)
         hit.update(_inverse_cdf(probs.expand(len(chunk), -1), u.unsqueeze(1).float()).tolist())
     assert len(hit - {0}) > 0.95 * (vocab - 1)
+
+
+def test_the_two_level_inverse_cdf_equals_a_full_running_sum():
+    """Chunk sums then the running sum inside one chunk pick what one running sum over the
+    whole row picks, for vocabularies that are not a multiple of the chunk, zeroed
+    (filtered) tokens, and mass sitting in the first or last chunk only."""
+    from sluice.engine.sampler import CDF_CHUNK, _inverse_cdf
+
+    gen = torch.Generator().manual_seed(0)
+    for vocab in (CDF_CHUNK - 3, CDF_CHUNK, 5 * CDF_CHUNK + 17, 49152):
+        probs = torch.rand(64, vocab, generator=gen) ** 4
+        probs[probs < 0.05] = 0.0  # filtered tokens
+        probs[1, :] = 0.0
+        probs[1, -1] = 0.5  # all mass on the very last token
+        probs[2, :] = 0.0
+        probs[2, :3] = 1.0  # all mass in the first chunk
+        probs = probs / probs.sum(-1, keepdim=True)
+        u = torch.rand(64, 1, generator=gen)
+        u[0] = 0.0  # the target at the row's total
+        cdf = probs.double().cumsum(-1)
+        expected = torch.searchsorted(cdf, (1.0 - u.double()) * cdf[:, -1:]).squeeze(1)
+        got = _inverse_cdf(probs, u)
+        assert torch.equal(got, expected.clamp(max=vocab - 1)), vocab
+        assert (probs.gather(1, got.unsqueeze(1)) > 0).all()
