@@ -40,6 +40,7 @@ def test_percentile_is_nearest_rank():
     values = [float(v) for v in range(100, 0, -1)]  # 1..100, unsorted
     assert percentile(values, 50) == 50 and percentile(values, 99) == 99
     assert percentile(values, 100) == 100 and percentile([7.0], 99) == 7.0
+    assert percentile(values * 10, 99.9) == 100 and percentile(values * 10, 99) == 99
     assert math.isnan(percentile([], 99))
 
 
@@ -73,13 +74,15 @@ def test_phase_rows_ratios_and_table():
     assert loaded["pull_share"] == pytest.approx(0.1)
     assert loaded["pd"] == {"prefill": 2, "none": 1} and loaded["stream_pd"] == {"short": 2}
     assert loaded["itl_p99_ms"] == pytest.approx(2000.0) and loaded["gaps"] == 40
+    assert loaded["itl_max_ms"] == pytest.approx(2000.0) and loaded["stalls"] == 1
+    assert base["stalls"] == 0 and base["itl_p999_ms"] == pytest.approx(100.0)
     assert base["pull_s"] is None and "pull_s" not in agg
     add_ratios([base, loaded, agg])
     assert base["p99_vs_baseline"] == 1.0
     assert loaded["p99_vs_baseline"] == pytest.approx(20.0)
     assert agg["p99_vs_baseline"] is None  # no aggregated baseline among these rows
     table = format_table([base, loaded, agg]).splitlines()
-    assert len(table) == 5 and all(line.count("|") == 11 for line in table)
+    assert len(table) == 5 and all(line.count("|") == 14 for line in table)
     assert "| disaggregated | 3 (2) |" in table[3] and "0.50 s, 45.0 MB" in table[3]
     assert "10.0%" in table[3] and "| – |" in table[4]
 

@@ -10,7 +10,10 @@ stragglers after it do not):
 - a long prompt counts when it was sent in the window (every one is, by construction).
 
 Token times are rebuilt from a `serve_client.Result`: start + TTFT, then + each ITL.
-Percentiles are nearest-rank on the sorted values (p99 of 100 gaps: the 99th).
+Percentiles are nearest-rank on the sorted values (p99 of 100 gaps: the 99th). A long
+prompt prefilled between a stream's decode steps is one long gap among hundreds of short
+ones, so p99 can miss it; the row also gives p99.9, the longest gap, and `stalls`: gaps of at
+least STALL_S.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from sluice.bench.serve_client import Result
+
+STALL_S = 1.0  # a gap this long is a stall: a decode step waited for a whole prefill
 
 
 def token_times(res: Result) -> list[float]:
@@ -75,7 +80,9 @@ def phase_row(phase: str, shape: str, streams: list[Result], longs: list[Result]
     row: dict[str, Any] = {
         "phase": phase, "shape": shape, "window_s": span,
         "itl_p50_ms": 1000 * percentile(gaps, 50), "itl_p99_ms": 1000 * percentile(gaps, 99),
-        "gaps": len(gaps), "stream_tok_s": window_tokens(streams, t0, t1) / span,
+        "itl_p999_ms": 1000 * percentile(gaps, 99.9),
+        "itl_max_ms": 1000 * max(gaps) if gaps else math.nan,
+        "stalls": sum(g >= STALL_S for g in gaps), "gaps": len(gaps), "stream_tok_s": window_tokens(streams, t0, t1) / span,
         "stream_errors": sum(not r.ok for r in streams),
         "long_sent": len(longs), "long_done": len(done),
         "long_prompt_tokens": (sum(r.prompt_tokens for r in done) / len(done)) if done else None,
@@ -114,9 +121,9 @@ def _fmt(value: Any, spec: str, unit: str = "") -> str:
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The docs' markdown table, one line per phase."""
     header = ("| phase | long prompts (done) | streams' ITL p50 | ITL p99 | p99 / baseline "
-              "| stream tok/s | long TTFT mean (p99) | pull per prompt | pull share of TTFT "
-              "| fallbacks |")
-    lines = [header, "|" + "---|" * 10]
+              "| ITL p99.9 | longest gap | stalls ≥ 1 s | stream tok/s | long TTFT mean (p99) "
+              "| pull per prompt | pull share of TTFT | fallbacks |")
+    lines = [header, "|" + "---|" * 13]
     for r in rows:
         pull = (f"{r['pull_s']:.2f} s, {r['pull_mb']:.1f} MB" if r.get("pull_s") is not None
                 else "–")
@@ -125,7 +132,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['phase']} | {r['long_sent']} ({r['long_done']}) "
             f"| {_fmt(r['itl_p50_ms'], ',.0f', ' ms')} | {_fmt(r['itl_p99_ms'], ',.0f', ' ms')} "
-            f"| {_fmt(r.get('p99_vs_baseline'), '.2f')} | {r['stream_tok_s']:.1f} | {ttft} "
+            f"| {_fmt(r.get('p99_vs_baseline'), '.2f')} | {_fmt(r['itl_p999_ms'], ',.0f', ' ms')} "
+            f"| {_fmt(r['itl_max_ms'], ',.0f', ' ms')} | {r['stalls']} "
+            f"| {r['stream_tok_s']:.1f} | {ttft} "
             f"| {pull} | {_fmt(r.get('pull_share'), '.1%')} "
             f"| {_fmt(r.get('fallbacks'), '.0f')} |")
     return "\n".join(lines)
