@@ -1,4 +1,5 @@
-"""The chart's pre-install hook: CURVE keys for the KV-event sockets, as two Kubernetes Secrets.
+"""The chart's pre-install hook: CURVE keys for the KV-event sockets, as two Kubernetes Secrets,
+and for the KV-transfer sockets of prefill/decode pools, one Secret per pools' namespace.
 
 Helm's template functions cannot make a Curve25519 key pair (a public key is a scalar
 multiplication, then Z85), so a hook Job runs `python -m sluice.zmq_curve_secrets` from the
@@ -14,6 +15,14 @@ a later run (every upgrade) changes nothing, but for copying the engines' Secret
 namespace newly listed. A pair no longer whole (the picker's Secret without any engines' copy,
 or the reverse, or copies that differ) fails the run, naming what to delete: new keys would
 not match the ones running engines or pickers hold. Only names are printed, never keys.
+
+    --kv-transfer NS/NAME   a pools' namespace's KV-transfer keys (repeated: one per
+                            namespace): all four files, a pair of its own
+
+A pool's prefill and decode engines live in one namespace, so each namespace's Secret is
+independent: made from a new pair when missing, else kept (`ensure_transfer`). The operator
+mounts each role only its half (`sluice.operator.render`): prefill engines (CURVE servers)
+the server pair and the client's public key, decode engines (clients) the reverse.
 """
 
 from __future__ import annotations
@@ -106,6 +115,30 @@ def ensure(core: Any, engines: list[SecretRef], picker: SecretRef,
     return f"kept, copied to {', '.join(map(str, missing))}" if missing else "kept"
 
 
+ALL_FILES = ENGINE_FILES + PICKER_FILES
+
+
+def ensure_transfer(core: Any, refs: list[SecretRef], labels: dict[str, str]) -> str:
+    """Make each missing KV-transfer Secret from a new key pair (all four files), keep each
+    one found; what was done, in words. BrokenPair names one found without every file."""
+    made, kept = [], []
+    for ref in refs:
+        data = _read(core, ref)
+        if data is None:
+            keys = new_keys()
+            core.create_namespaced_secret(ref.namespace, _secret(ref, {
+                f: base64.b64encode(keys[f]).decode() for f in ALL_FILES}, labels))
+            made.append(str(ref))
+        elif missing := sorted(set(ALL_FILES) - set(data)):
+            raise BrokenPair(f"the KV-transfer keys {ref} lack {', '.join(missing)}. Delete "
+                             f"{ref} to make a new pair, then restart that namespace's "
+                             "prefill and decode engines")
+        else:
+            kept.append(str(ref))
+    return "; ".join(([f"created {', '.join(made)}"] if made else [])
+                     + ([f"kept {', '.join(kept)}"] if kept else []))
+
+
 def _label(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not (sep and key):
@@ -117,11 +150,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m sluice.zmq_curve_secrets",
                                 description="Make the KV-event sockets' CURVE key Secrets "
                                             "unless they exist.")
-    p.add_argument("--engines", type=SecretRef.parse, action="append", required=True,
+    p.add_argument("--engines", type=SecretRef.parse, action="append", default=[],
                    metavar="NS/NAME", help="the engines' Secret (repeat: one per namespace)")
-    p.add_argument("--picker", type=SecretRef.parse, required=True, metavar="NS/NAME")
+    p.add_argument("--picker", type=SecretRef.parse, default=None, metavar="NS/NAME")
+    p.add_argument("--kv-transfer", type=SecretRef.parse, action="append", default=[],
+                   metavar="NS/NAME", help="a namespace's KV-transfer keys (repeat)")
     p.add_argument("--label", type=_label, action="append", default=[], metavar="KEY=VALUE")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if bool(args.engines) != bool(args.picker):
+        p.error("--engines and --picker go together")
+    if not (args.engines or args.kv_transfer):
+        p.error("nothing to make: give --engines and --picker, or --kv-transfer")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,13 +172,18 @@ def main(argv: list[str] | None = None) -> int:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
+    core = client.CoreV1Api()
     try:
-        what = ensure(client.CoreV1Api(), args.engines, args.picker, dict(args.label))
+        if args.engines:
+            what = ensure(core, args.engines, args.picker, dict(args.label))
+            names = ", ".join(str(r) for r in [*args.engines, args.picker])
+            print(f"sluice: KV-event CURVE keys {what} ({names})")
+        if args.kv_transfer:
+            what = ensure_transfer(core, args.kv_transfer, dict(args.label))
+            print(f"sluice: KV-transfer CURVE keys: {what}")
     except BrokenPair as err:
         print(f"sluice: {err}", file=sys.stderr)
         return 1
-    names = ", ".join(str(r) for r in [*args.engines, args.picker])
-    print(f"sluice: KV-event CURVE keys {what} ({names})")
     return 0
 
 

@@ -23,7 +23,7 @@ NON_DEFAULT = [
     "watchNamespaces={team-a}", "operator.replicas=1",
     "operator.logLevel=debug", "redis.enabled=false", "redis.existingSecret=redis-url",
     "picker.autoscaling.enabled=true", "envoy.autoscaling.enabled=true", "picker.pool=llama-8b",
-    "picker.routing=least_load",
+    "picker.routing=least_load", "picker.pdThresholdTokens=512",
     "envoy.service.type=LoadBalancer", "picker.extraArgs={--max-fallbacks=3}",
     "envoy.bootstrapArgs={--num-retries=3}", "picker.tokenizers={llama=/tokenizers/llama}",
     "picker.extraVolumes[0].name=tokenizers", "picker.extraVolumes[0].configMap.name=tok",
@@ -129,7 +129,8 @@ def test_values_schema_rejects_bad_values():
     out = helm("template", "rel", str(CHART), "--set", "picker.routing=bogus")
     assert out.returncode != 0 and "routing" in out.stderr
     for bad in ("operator.typo=1", "gateway.routing=kv_aware", "gie.failureMode=Maybe",
-                "envoy.image.tag=", "envoy.concurrency=0", "envoy.bootstrapArgs={oops}"):
+                "envoy.image.tag=", "envoy.concurrency=0", "envoy.bootstrapArgs={oops}",
+                "picker.pdThresholdTokens=-1"):
         out = helm("template", "rel", str(CHART), "--set", bad)
         assert out.returncode != 0, bad
 
@@ -213,6 +214,8 @@ def test_operator_and_picker_are_wired_to_redis_and_namespaces(default, custom):
     assert _by(custom, "Role", "-picker")["metadata"]["namespace"] == "team-a"
     config = _by(custom, "ConfigMap", "-picker")["data"]
     assert config["SLUICE_ROUTING"] == "least_load"
+    assert config["SLUICE_PD_THRESHOLD_TOKENS"] == "512"
+    assert "--pd-threshold-tokens=$(SLUICE_PD_THRESHOLD_TOKENS)" in picker["args"]
     assert config["SLUICE_DISCOVERY_NAMESPACE"] == "team-a"  # the operator's (one key feeds both)
     for name in ("rel-sluice-picker", "rel-sluice-gateway"):  # autoscaled: the HPA owns replicas
         assert "replicas" not in _by(custom, "Deployment", name)["spec"]

@@ -213,9 +213,15 @@ def test_vllm_pools_stay_plain_and_the_switch_turns_curve_off(chart):
     assert not any("curve" in a for a in pod["containers"][0]["args"])
     assert not any(v["name"] == "kv-events-curve" for v in pod["volumes"])
     off = render("kvEventsCurve.enabled=false")
-    assert not any(m["kind"] == "Job" or "kv-events" in m["metadata"]["name"] for m in off)
+    # (the hook Job still runs for the KV-transfer keys: test_chart_kv_transfer_curve.py)
+    assert not any("--engines" in a or "--picker" in a
+                   for a in _container_args(_one(off, "Job", "-kv-events-keys")))
+    both_off = render("kvEventsCurve.enabled=false", "kvTransferCurve.enabled=false")
+    assert not any(m["kind"] == "Job" or "kv-events" in m["metadata"]["name"]
+                   for m in both_off)
     assert not any("curve" in a for a in _container_args(_one(off, "Deployment", "-picker")))
-    assert not any("curve" in a for a in _container_args(_one(off, "Deployment", "-operator")))
+    assert not any("kv-events-curve" in a
+                   for a in _container_args(_one(off, "Deployment", "-operator")))
     (sluice_engine,) = engine_pods(off, "pool-cpu.yaml")
     assert not any("curve" in a for a in _container_args(sluice_engine))
 
@@ -234,7 +240,8 @@ def test_the_hook_is_a_pre_install_job_with_a_short_lived_least_privilege_role()
             "before-hook-creation,hook-succeeded"
         # the ServiceAccount and its Roles exist before the Job runs
         assert int(annotations["helm.sh/hook-weight"]) == (-5 if m["kind"] == "Job" else -10)
-    names = ["rel-sluice-kv-events-engines", "rel-sluice-kv-events-picker"]
+    names = ["rel-sluice-kv-events-engines", "rel-sluice-kv-events-picker",
+             "rel-sluice-kv-transfer-keys"]
     for role in (m for m in hooks if m["kind"] == "Role"):
         assert role["rules"] == [
             {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},

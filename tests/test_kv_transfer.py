@@ -137,6 +137,31 @@ def test_a_client_without_the_curve_key_gets_nothing(tmp_path):
         server.close()
 
 
+def test_each_role_needs_only_its_half_of_the_keys(tmp_path):
+    """As the operator mounts them (sluice.operator.render.KV_TRANSFER_CURVE_FILES): the
+    prefill engine's server pair and the client's public key, the decode engine's reverse."""
+    import shutil
+
+    from sluice.operator.render import KV_TRANSFER_CURVE_FILES
+
+    init(str(tmp_path / "keys"))
+    halves = {}
+    for role, files in KV_TRANSFER_CURVE_FILES.items():
+        halves[role] = tmp_path / role
+        halves[role].mkdir()
+        for name in files:
+            shutil.copy(tmp_path / "keys" / name, halves[role] / name)
+    holds = _Holds()
+    server = BlockServer(_caches(torch.float32), "p", "127.0.0.1", 0, holds.begin, holds.end,
+                         str(halves["prefill"]))
+    puller = BlockPuller(_caches(torch.float32, seed=1), 10.0, str(halves["decode"]))
+    try:
+        assert _pull(puller, server.port, [1, 2], [3, 4]).error is None
+    finally:
+        puller.close()
+        server.close()
+
+
 def test_layout_and_engine_mismatches_fail_the_pull():
     holds = _Holds()
     server = BlockServer(_caches(torch.float32), "p", "127.0.0.1", 0, holds.begin, holds.end)

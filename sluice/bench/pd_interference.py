@@ -12,6 +12,10 @@ and for the disaggregated phase the pull's share of that TTFT (D's
 sluice:kv_transfer_time_seconds) and the bytes moved.
 
     python -m sluice.bench.pd_interference --model default --prompt-len 2000
+
+`--through-stack`: the same workload through the whole local stack (Envoy, the picker,
+Redis, engines), aggregated against disaggregated with the picker choosing roles
+(`pd_stack.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import time
 
 import httpx
 
+from sluice.bench import pd_stack
 from sluice.local.stack import free_ports
 
 
@@ -123,7 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-s", type=float, default=3.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("engine_args", nargs="*", help="extra `sluice engine` flags (after --)")
+    pd_stack.add_arguments(p)
     args = p.parse_args(argv)
+    if args.through_stack:
+        return pd_stack.main(args)
     p_port, d_port = free_ports(2)
     procs = [_engine(args, p_port, "kv_producer"), _engine(args, d_port, "kv_consumer")]
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"

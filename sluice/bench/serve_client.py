@@ -31,6 +31,7 @@ class Result:
     output_tokens: int = 0
     text: str = ""
     pod: str | None = None
+    pd: str | None = None  # the picker's P/D decision (x-sluice-pd), when it made one
     hit_blocks: int | None = None
     error: str | None = None
 
@@ -58,6 +59,7 @@ async def send(client: httpx.AsyncClient, base_url: str, model: str, req: Reques
     try:
         async with client.stream("POST", base_url + path, json=body) as resp:
             res.pod = resp.headers.get("x-sluice-pod")
+            res.pd = resp.headers.get("x-sluice-pd")
             hb = resp.headers.get("x-sluice-prefix-hit-blocks")
             res.hit_blocks = int(hb) if hb is not None else None
             if resp.status_code != 200:

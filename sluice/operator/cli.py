@@ -36,6 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the Secret (in each pool's namespace) with the sluice engines' "
                              "CURVE keys for their KV-event sockets (python -m "
                              "sluice.zmq_curve_secrets); vLLM pools stay plain")
+    parser.add_argument("--kv-transfer-curve-secret", metavar="SECRET",
+                        default=os.environ.get("SLUICE_KV_TRANSFER_CURVE_SECRET"),
+                        help="the Secret (in each pool's namespace) with the CURVE keys of "
+                             "prefill/decode pools' KV-transfer sockets (python -m "
+                             "sluice.zmq_curve_secrets --kv-transfer); each role mounts its "
+                             "half; vLLM pools (NIXL) stay plain")
     parser.add_argument("--redis-url", default=os.environ.get("SLUICE_REDIS_URL"),
                         help="the gateway's Redis, for the index finalizer "
                              "(env SLUICE_REDIS_URL; may hold a password)")
@@ -72,7 +78,8 @@ def _render_config(args: argparse.Namespace) -> RenderConfig:
     secret, _, key = (args.engine_api_key_secret or "").partition(":")
     return RenderConfig(engine_image=args.engine_image, vllm_image=args.vllm_image,
                         engine_key_secret=secret or None, engine_key_key=key or "key",
-                        kv_events_curve_secret=args.kv_events_curve_secret or None)
+                        kv_events_curve_secret=args.kv_events_curve_secret or None,
+                        kv_transfer_curve_secret=args.kv_transfer_curve_secret or None)
 
 
 def config_from_args(args: argparse.Namespace) -> OperatorConfig:

@@ -97,12 +97,13 @@ def vllm_args(pool: PoolSpec) -> list[str]:
     return args + list(e.args)
 
 
-def kv_transfer_config(pool: PoolSpec, role: str) -> dict | None:
+def kv_transfer_config(pool: PoolSpec, role: str, curve_dir: str | None = None) -> dict | None:
     """`--kv-transfer-config` of a prefill/decode pool's role (vLLM's JSON shape); None for
     pools that serve whole requests. Sluice engines: prefill engines produce (serve their
     blocks on KV_TRANSFER_PORT, advertised at the pod IP), decode engines consume (pull
-    them when a request names a prefill engine: the picker's `x-prefiller-host-port`).
-    vLLM pools use NIXL in both directions, as llm-d renders them."""
+    them when a request names a prefill engine: the picker's `x-prefiller-host-port`);
+    `curve_dir`: the transfer sockets' CURVE keys there. vLLM pools use NIXL in both
+    directions, as llm-d renders them (no CURVE: `curve_dir` is ignored)."""
     if not pool.disaggregated or role not in (PREFILL, DECODE):
         return None
     if pool.engine.kind == "vllm":
@@ -110,17 +111,20 @@ def kv_transfer_config(pool: PoolSpec, role: str) -> dict | None:
     return {"kv_connector": "SluiceConnector",
             "kv_role": "kv_producer" if role == PREFILL else "kv_consumer",
             "kv_ip": "0.0.0.0", "kv_port": KV_TRANSFER_PORT,
-            "kv_connector_extra_config": {"advertise_host": "$(POD_IP)"}}
+            "kv_connector_extra_config": {"advertise_host": "$(POD_IP)",
+                                          **({"curve_dir": curve_dir} if curve_dir else {})}}
 
 
-def engine_command(pool: PoolSpec, role: str = "") -> tuple[list[str], list[str]]:
-    """(command, args) of the engine container of `role`."""
+def engine_command(pool: PoolSpec, role: str = "",
+                   transfer_curve_dir: str | None = None) -> tuple[list[str], list[str]]:
+    """(command, args) of the engine container of `role` (`kv_transfer_config`'s curve_dir:
+    `transfer_curve_dir`)."""
     command, args = ((["vllm", "serve"], vllm_args(pool)) if pool.engine.kind == "vllm"
                      else (["sluice"], sluice_args(pool)))
     if pool.engine.speculative:
         args += ["--speculative-config",
                  json.dumps(dict(pool.engine.speculative), separators=(",", ":"))]
-    transfer = kv_transfer_config(pool, role)
+    transfer = kv_transfer_config(pool, role, transfer_curve_dir)
     if transfer is not None:
         args += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
     return command, args

@@ -18,7 +18,7 @@ from typing import Any
 
 from sluice import labels
 from sluice.operator import crd, engine_args
-from sluice.operator.spec import HuggingFaceSource, PoolSpec, PvcSource, RoleSpec
+from sluice.operator.spec import DECODE, PREFILL, HuggingFaceSource, PoolSpec, PvcSource, RoleSpec
 
 Manifest = dict[str, Any]
 
@@ -37,10 +37,19 @@ class RenderConfig:
     # The Secret (in the pool's namespace) with the engines' CURVE keys for their KV-event
     # sockets (`sluice.zmq_curve.ENGINE_FILES`); None: plain sockets. See _kv_events_curve.
     kv_events_curve_secret: str | None = None
+    # The Secret (in the pool's namespace) with the KV-transfer sockets' CURVE keys, all four
+    # files (`sluice.zmq_curve_secrets --kv-transfer`); None: plain. See _kv_transfer_curve.
+    kv_transfer_curve_secret: str | None = None
 
 
 TMP_DIR = "/tmp"
 KV_EVENTS_CURVE_DIR = "/etc/sluice/kv-events-curve"
+KV_TRANSFER_CURVE_DIR = "/etc/sluice/kv-transfer-curve"
+# Each role's half of the KV-transfer keys (`sluice.zmq_curve`'s file names; no pyzmq here):
+# a prefill engine's block server is the CURVE server and admits the client key only, a
+# decode engine's puller is the client.
+KV_TRANSFER_CURVE_FILES = {PREFILL: ("server.key_secret", "client.key"),
+                           DECODE: ("client.key_secret", "server.key")}
 
 
 def child_name(pool: str, role: str) -> str:
@@ -153,6 +162,23 @@ def _kv_events_curve(pool: PoolSpec, config: RenderConfig) -> tuple[list[Any], l
     return [volume], [mount], ["--kv-events-curve-dir", KV_EVENTS_CURVE_DIR]
 
 
+def _kv_transfer_curve(pool: PoolSpec, role: str, config: RenderConfig
+                       ) -> tuple[list[Any], list[Any], str | None]:
+    """(volumes, mounts, curve_dir for --kv-transfer-config) for CURVE on the KV-transfer
+    sockets of a Sluice prefill/decode pool's `role`: its half of the Secret only, so a
+    decode engine cannot serve blocks and a prefill engine cannot pull them. Without the
+    Secret in the namespace the pod waits for it rather than serve blocks in the clear."""
+    files = KV_TRANSFER_CURVE_FILES.get(role)
+    if (not config.kv_transfer_curve_secret or pool.engine.kind == "vllm"
+            or not pool.disaggregated or files is None):
+        return [], [], None
+    volume = {"name": "kv-transfer-curve", "secret": {
+        "secretName": config.kv_transfer_curve_secret, "defaultMode": 0o400,
+        "items": [{"key": f, "path": f} for f in files]}}
+    mount = {"name": "kv-transfer-curve", "mountPath": KV_TRANSFER_CURVE_DIR, "readOnly": True}
+    return [volume], [mount], KV_TRANSFER_CURVE_DIR
+
+
 def _init_containers(pool: PoolSpec, image: str, mounts: list[dict[str, Any]]) -> list[Any]:
     src = pool.source
     if not isinstance(src, HuggingFaceSource) or pool.engine.kind == "vllm":
@@ -184,9 +210,12 @@ def _ports(pool: PoolSpec) -> tuple[tuple[str, int], ...]:
 def render_pod_template(pool: PoolSpec, role: RoleSpec, config: RenderConfig) -> Manifest:
     default = config.vllm_image if pool.engine.kind == "vllm" else config.engine_image
     image = pool.engine.image or default
-    command, args = engine_args.engine_command(pool, role.name)
+    transfer_volumes, transfer_mounts, transfer_dir = _kv_transfer_curve(pool, role.name, config)
+    command, args = engine_args.engine_command(pool, role.name, transfer_dir)
     volumes, mounts = _volumes(pool)
     curve_volumes, curve_mounts, curve_args = _kv_events_curve(pool, config)
+    curve_volumes += transfer_volumes
+    curve_mounts += transfer_mounts
     container = {
         "name": "engine", "image": image, "command": command, "args": args + curve_args,
         "env": _env(pool, config),

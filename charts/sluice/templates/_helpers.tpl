@@ -142,6 +142,20 @@ true
 {{- end -}}
 {{- end -}}
 
+{{/* CURVE on prefill/decode pools' KV-transfer sockets: "true" when the operator renders them. */}}
+{{- define "sluice.kvTransferCurve" -}}
+{{- if and .Values.kvTransferCurve.enabled .Values.operator.enabled -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* The CURVE keys hook Job (templates/kv-events-curve.yaml) runs: "true" when either needs keys. */}}
+{{- define "sluice.curveKeys" -}}
+{{- if or (include "sluice.kvEventsCurve" .) (include "sluice.kvTransferCurve" .) -}}
+true
+{{- end -}}
+{{- end -}}
+
 {{/* The gateway's TLS Secret (envoy.tls), checked: a Secret of yours or cert-manager's. */}}
 {{- define "sluice.gatewayTlsSecret" -}}
 {{- $tls := .Values.envoy.tls -}}
