@@ -153,10 +153,12 @@ def test_routes_stream_without_deadline_and_retry():
         for r in (routed, empty):
             over = r["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["overrides"]
             assert over == {"processing_mode": BODY_FIRST_MODE}
-    # no completion route where no prefix routes to the engines
-    bare = _hcm(render_bootstrap(EnvoyConfig(route_prefixes=("/tokenize",))))
-    assert [r["match"].get("prefix") for r in bare["route_config"]["virtual_hosts"][0][
-        "routes"]] == ["/tokenize", "/"]
+    # no completion route where no prefix routes to the engines, nor when ext_proc fails open
+    # (a request the picker never answered would get the empty body's 400)
+    for bare, prefixes in ((EnvoyConfig(route_prefixes=("/tokenize",)), ["/tokenize", "/"]),
+                           (EnvoyConfig(failure_mode_allow=True), ["/v1/", "/"])):
+        assert [r["match"].get("prefix") for r in _hcm(render_bootstrap(bare))["route_config"][
+            "virtual_hosts"][0]["routes"]] == prefixes
 
 
 def test_completion_paths_are_the_pickers_routes():

@@ -180,7 +180,11 @@ def _post(path: str, routed: bool) -> dict:
 def _completion_routes(cfg: EnvoyConfig) -> list[dict]:
     """POST to a completion path, body first (BODY_FIRST_MODE). First matched before the picker
     answered: then it is the empty-body route, whose 400 Envoy answers when no body (so no
-    picker call) came; the picker's answer re-selects (Lua) the routed one."""
+    picker call) came; the picker's answer re-selects (Lua) the routed one. None when ext_proc
+    fails open: a request the picker never answered would get that 400 (the prefix routes
+    then send completions headers first, as before)."""
+    if cfg.failure_mode_allow:
+        return []
     per_route = {"envoy.filters.http.ext_proc": {
         "@type": T + "filters.http.ext_proc.v3.ExtProcPerRoute",
         "overrides": {"processing_mode": BODY_FIRST_MODE}}}
