@@ -62,6 +62,7 @@ def fake_engine(mode, state):
     async def complete(request: Request):
         body = await request.json()
         state["calls"] = state.get("calls", 0) + 1
+        state["headers"] = dict(request.headers)  # (the last request's)
         if mode == "error500" or mode == "poisoned" and body.get("prompt") == "poison":
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
         if mode == "busy429":

@@ -20,7 +20,18 @@ from sluice.gateway.envoy.bootstrap import (
     render_bootstrap,
     render_yaml,
 )
-from sluice.gateway.envoy.listener import LOCAL_REPLY_STATUSES, PICKER_FAILURES
+from sluice.gateway.envoy.listener import (
+    ATTR_AUTHORIZATION,
+    ATTR_METHOD,
+    ATTR_PATH,
+    BODY_FIRST_MODE,
+    COMPLETION_PATHS,
+    HOLD_HEADERS,
+    LOCAL_REPLY_STATUSES,
+    PICKER_FAILURES,
+    REQUEST_NAMESPACE,
+)
+from sluice.gateway.server.picker import ROUTES
 from sluice.openai_error import error_type
 
 CONFIGS = {
@@ -76,10 +87,14 @@ def test_filter_chain_order_and_body_limit():
     cfg = EnvoyConfig(max_request_bytes=1234)
     filters = _filters(render_bootstrap(cfg))
     assert list(filters) == ["envoy.filters.http.body_size_limit", "envoy.filters.http.buffer",
-                             "envoy.filters.http.ext_proc", "envoy.filters.http.header_to_metadata",
+                             "envoy.filters.http.ext_proc", HOLD_HEADERS,
+                             "envoy.filters.http.lua", "envoy.filters.http.header_to_metadata",
                              "envoy.filters.http.router"]
     assert filters["envoy.filters.http.body_size_limit"]["max_request_bytes"] == 1234
     assert filters["envoy.filters.http.buffer"]["max_request_bytes"] == 1234
+    assert filters[HOLD_HEADERS]["max_request_bytes"] == 1234
+    lua = filters["envoy.filters.http.lua"]["default_source_code"]["inline_string"]
+    assert REQUEST_NAMESPACE in lua and "clearRouteCache" in lua
     rule = filters["envoy.filters.http.header_to_metadata"]["response_rules"][0]
     assert rule["header"] == SERVED_KEY and rule["remove"] is True
     assert rule["on_header_present"]["metadata_namespace"] == LB_NAMESPACE
@@ -98,25 +113,56 @@ def test_ext_proc():
     assert (PICKER_MODE["request_body_mode"], PICKER_MODE["response_header_mode"],
             PICKER_MODE["response_body_mode"]) == ("BUFFERED", "SEND", "NONE")
     ns = ext["metadata_options"]
-    assert ns["forwarding_namespaces"]["untyped"] == ns["receiving_namespaces"]["untyped"] \
-        == [LB_NAMESPACE]
+    assert ns["forwarding_namespaces"]["untyped"] == [LB_NAMESPACE]
+    assert ns["receiving_namespaces"]["untyped"] == [LB_NAMESPACE, REQUEST_NAMESPACE]
+    assert ext["request_attributes"] == [ATTR_METHOD, ATTR_PATH, ATTR_AUTHORIZATION]
+    assert BODY_FIRST_MODE == {**PICKER_MODE, "request_header_mode": "SKIP"}
 
 
 def test_routes_stream_without_deadline_and_retry():
     cfg = EnvoyConfig(num_retries=3, route_prefixes=("/v1/", "/tokenize"))
     routes = _hcm(render_bootstrap(cfg))["route_config"]["virtual_hosts"][0]["routes"]
-    assert [r["match"]["prefix"] for r in routes] == ["/v1/", "/tokenize", "/"]
-    route = routes[0]["route"]
+    completions = routes[:4]
+    assert [r["match"].get("prefix") for r in routes[4:]] == ["/v1/", "/tokenize", "/"]
+    route = routes[4]["route"]
     assert route["timeout"] == "0s" and route["idle_timeout"] == "300s"
     retry = route["retry_policy"]
     assert set(retry["retry_on"].split(",")) == {
         "connect-failure", "reset", "refused-stream", "retriable-status-codes"}
     assert retry["retriable_status_codes"] == [503] and retry["num_retries"] == 3
-    served = routes[0]["response_headers_to_add"][0]["header"]
+    served = routes[4]["response_headers_to_add"][0]["header"]
     assert served == {"key": SERVED_KEY, "value": "%UPSTREAM_REMOTE_ADDRESS%"}
     not_found = routes[-1]
     assert not_found["direct_response"]["status"] == 404
     assert all(c["disabled"] for c in not_found["typed_per_filter_config"].values())
+
+
+    # A completion's POST, body first: routed once the picker named its endpoints (envoy.lb),
+    # else (no body, so no picker call) Envoy's 400. Both ask ext_proc for BODY_FIRST_MODE.
+    assert [(r["match"]["path"], "dynamic_metadata" in r["match"]) for r in completions] == [
+        (p, routed) for p in COMPLETION_PATHS for routed in (True, False)]
+    for routed, empty in zip(completions[::2], completions[1::2]):
+        assert routed["match"]["headers"] == empty["match"]["headers"] == [
+            {"name": ":method", "string_match": {"exact": "POST"}}]
+        assert routed["match"]["dynamic_metadata"] == [{
+            "filter": LB_NAMESPACE, "path": [{"key": DEST_HEADER}],
+            "value": {"present_match": True}}]
+        assert routed["route"] == route and routed["response_headers_to_add"] == \
+            routes[4]["response_headers_to_add"]
+        assert empty["direct_response"]["status"] == 400
+        for r in (routed, empty):
+            over = r["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["overrides"]
+            assert over == {"processing_mode": BODY_FIRST_MODE}
+    # no completion route where no prefix routes to the engines, nor when ext_proc fails open
+    # (a request the picker never answered would get the empty body's 400)
+    for bare, prefixes in ((EnvoyConfig(route_prefixes=("/tokenize",)), ["/tokenize", "/"]),
+                           (EnvoyConfig(failure_mode_allow=True), ["/v1/", "/"])):
+        assert [r["match"].get("prefix") for r in _hcm(render_bootstrap(bare))["route_config"][
+            "virtual_hosts"][0]["routes"]] == prefixes
+
+
+def test_completion_paths_are_the_pickers_routes():
+    assert set(COMPLETION_PATHS) == set(ROUTES)
 
 
 def test_engine_cluster_shapes():

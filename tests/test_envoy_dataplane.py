@@ -454,6 +454,17 @@ def test_over_limit_body_gets_413_without_the_picker(envoy):
     assert envoy.stats("http.sluice.ext_proc.streams_started") == started
 
 
+def test_over_limit_completion_gets_413_though_its_route_asks_for_response_headers(envoy):
+    """Completion routes ask ext_proc for the response headers statically (body first, no
+    headers answer to ask with): Envoy's own 413 there opens a picker stream for its response
+    headers only, and still reaches the client as a 413."""
+    started = envoy.stats("http.sluice.ext_proc.streams_started")
+    big = b"x" * (envoy.cfg.max_request_bytes + 1)
+    assert_openai_error(request(envoy.listen_port, "POST", "/v1/completions", "big-c", big), 413)
+    after = envoy.stats("http.sluice.ext_proc.streams_started")
+    assert sum(after.values()) - sum(started.values()) == 1
+
+
 @pytest.mark.parametrize("kind", ["immediate-json", "immediate-text"])
 def test_picker_immediate_response_reaches_the_client(envoy, kind):
     reply = request(envoy.listen_port, "POST", "/v1/echo", kind, b"{}", {"x-test-action": kind})

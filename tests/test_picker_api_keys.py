@@ -108,3 +108,24 @@ def test_the_engine_never_sees_the_clients_key():
                 request_headers=headers("GET", "/health", end_of_stream=True)))
             assert health.immediate_response.status.code == 200
             client.close()
+
+
+@pytest.mark.parametrize("keyed", [True, False])
+def test_through_envoy_the_engine_gets_its_own_key_or_the_open_gateways_header(keyed):
+    """Body first (no headers message), the picker's header changes still reach the engine:
+    a gateway key is removed and the engines' own key set; an open gateway passes the
+    client's Authorization on (for engines that check their own key)."""
+    seen = {}
+    with Server(fake_engine("ok", seen)) as up:
+        ep = Endpoint(pod=f"127.0.0.1:{up.port}", url=up.url, model="m", pool="m")
+        gw = RoutingCore(CoreConfig(routing=RoutingConfig(strategy="round_robin"),
+                                    engine_api_key="sk-engine" if keyed else None),
+                         StaticDiscovery([ep]))
+        with Front(gw, [up.url], keys=ApiKeys("sk-client") if keyed else None) as front:
+            wait_for(lambda: len(gw.registry.active()) == 1)
+            client = openai.OpenAI(base_url=front.url + "/v1", api_key="sk-client",
+                                   max_retries=0)
+            assert client.completions.create(model="m", prompt="hi", max_tokens=1).choices
+            assert seen["headers"]["authorization"] == (
+                "Bearer sk-engine" if keyed else "Bearer sk-client")
+            assert seen["headers"]["x-gateway-destination-endpoint"] == ep.pod

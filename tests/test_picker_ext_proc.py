@@ -4,19 +4,29 @@ scripted engines: what it answers at each phase, and the accounting it keeps."""
 import json
 
 import grpc
+import httpx
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from fake_engine import ThreadServer as Server
 from fake_engine import fake_engine
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from picker_harness import ExtProcClient, PickerThread, headers, metadata, wait_for
+from picker_harness import ExtProcClient, Front, PickerThread, headers, metadata, wait_for
 
 from sluice.gateway.core import CoreConfig, RoutingCore
 from sluice.gateway.discovery.static import Endpoint, StaticDiscovery
+from sluice.gateway.envoy.listener import (
+    ATTR_AUTHORIZATION,
+    ATTR_METHOD,
+    ATTR_PATH,
+    REQUEST_NAMESPACE,
+)
 from sluice.gateway.routing.config import RoutingConfig
+from sluice.gateway.server.api_keys import ApiKeys
 from sluice.gateway.server.messages import (
     DESTINATION,
+    KEY_NAME,
     LB_NAMESPACE,
+    PICKER_HEADERS,
     SERVED,
     SUBSET,
     SUBSET_NAMESPACE,
@@ -164,3 +174,100 @@ def test_no_pod_is_503_and_health_services_answer():
             status = health.Check(health_pb2.HealthCheckRequest(service=service)).status
             assert status == health_pb2.HealthCheckResponse.SERVING, service
         client.close()
+
+
+def body_first(data, method="POST", path="/v1/completions", authorization=None, **md):
+    """A completion's body as Sluice's Envoy sends it: no headers message before it, the
+    request line in the attributes (listener.BODY_FIRST_MODE)."""
+    msg = body(data)
+    attrs = msg.attributes["envoy.filters.http.ext_proc"]
+    attrs.update({ATTR_METHOD: method, ATTR_PATH: path})
+    if authorization is not None:
+        attrs.update({ATTR_AUTHORIZATION: authorization})
+    for k, v in md.items():
+        getattr(msg, k).CopyFrom(v)
+    return msg
+
+
+def changes(answer) -> tuple[list[str], dict[str, str]]:
+    """The request-header changes a body-first answer asks the Lua filter for."""
+    assert not answer.request_body.response.HasField("header_mutation")
+    c = answer.dynamic_metadata.fields[REQUEST_NAMESPACE].struct_value.fields
+    return ([v.string_value for v in c["remove"].list_value.values],
+            {k: v.string_value for k, v in c["set"].struct_value.fields.items()})
+
+
+def test_body_first_routes_with_its_header_changes_in_metadata(pool):
+    picker, client, pods = pool
+    (answer,) = client.exchange(body_first({"model": "m", "prompt": "hi"}))
+    listed = answer.dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields[DESTINATION]
+    # a client's own destination or prefiller header never reaches an engine
+    assert changes(answer) == (list(PICKER_HEADERS), {DESTINATION: listed.string_value})
+    assert set(listed.string_value.split(",")) == set(pods)
+    # the same checks as on a headers message: bad input, subset hint
+    (bad,) = client.exchange(body_first(b"{not json"))
+    assert immediate(bad)[0] == 400
+    hint = metadata(SUBSET_NAMESPACE, {SUBSET: [pods[1]]})
+    (hinted,) = client.exchange(body_first({"model": "m", "prompt": "x"}, metadata_context=hint))
+    assert changes(hinted)[1][DESTINATION] == pods[1]
+    (wrong,) = client.exchange(body_first({"model": "m", "prompt": "x"}, path="/v1/nothing"))
+    assert immediate(wrong)[0] == 404
+    # a body with neither headers nor attributes before it: nothing to route on
+    (blind,) = client.exchange(body({"model": "m", "prompt": "x"}))
+    assert immediate(blind)[0] == 500
+    wait_for(lambda: picker.call(lambda: dict(picker.core.flight.inflight)) == {})
+
+
+def test_body_first_keys_and_inflight():
+    with Server(fake_engine("ok", {})) as up:
+        gw = core([up.port], engine_api_key="sk-engine")
+        with PickerThread(gw, keys=ApiKeys("sk-right")) as picker:
+            client = ExtProcClient(picker.port)
+            wait_for(lambda: len(gw.registry.active()) == 1)
+            pod = f"127.0.0.1:{up.port}"
+            for auth in (None, "Bearer sk-wrong"):
+                (refused,) = client.exchange(body_first({"model": "m", "prompt": "x"},
+                                                        authorization=auth))
+                assert immediate(refused)[0] == 401
+            answers = client.exchange(
+                body_first({"model": "m", "prompt": "x"}, authorization="Bearer sk-right"),
+                pb.ProcessingRequest(response_headers=headers("POST", "/v1/completions"),
+                                     metadata_context=metadata(LB_NAMESPACE, {SERVED: pod})))
+            # the client's key is removed, then the engines' own set; its name is logged
+            assert changes(answers[0]) == ([*PICKER_HEADERS, "authorization"], {
+                DESTINATION: pod, "authorization": "Bearer sk-engine"})
+            key = answers[0].dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields[KEY_NAME]
+            assert key.string_value == "default"
+            added = answers[1].response_headers.response.header_mutation.set_headers
+            assert {h.header.key: h.header.raw_value.decode() for h in added}[
+                "x-sluice-pod"] == pod
+            wait_for(lambda: picker.call(lambda: dict(gw.flight.inflight)) == {})
+            client.close()
+
+
+def test_through_envoy_a_completion_costs_two_messages_and_an_empty_body_none():
+    """Sluice's Envoy sends a completion body first: the body and the response headers are
+    the stream's only messages; a POST with no body is Envoy's 400, with no picker call on
+    the request path; other methods still get the picker's answer to the headers."""
+    with Server(fake_engine("ok", {})) as a, Server(fake_engine("ok", {})) as b:
+        gw = core([a.port, b.port])
+        pods = [f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"]
+        with Front(gw, [a.url, b.url]) as front:
+            wait_for(lambda: len(gw.registry.active()) == 2)
+            sent = "http.sluice.ext_proc.stream_msgs_sent"
+            before = front.envoy.stats(sent)[sent]
+            r = httpx.post(front.url + "/v1/completions", json={"model": "m", "prompt": "hi"})
+            assert r.status_code == 200 and r.headers["x-sluice-pod"] in pods
+            assert r.headers["x-sluice-prefix-hit-blocks"] == "0"
+            assert front.envoy.stats(sent)[sent] - before == 2
+            r = httpx.post(front.url + "/v1/chat/completions?x=1", json={
+                "model": "m", "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 200 and r.headers["x-sluice-pod"] in pods
+            empty = httpx.post(front.url + "/v1/completions")
+            assert empty.status_code == 400
+            assert empty.json()["error"]["message"] == "request body is empty"
+            bad = httpx.post(front.url + "/v1/completions", content=b"{not json")
+            assert bad.status_code == 400 and bad.json()["error"]["type"] == "BadRequestError"
+            assert httpx.get(front.url + "/v1/completions").status_code == 405
+            assert httpx.get(front.url + "/v1/models").json()["data"][0]["id"] == "m"
+            wait_for(lambda: front.picker.call(lambda: dict(gw.flight.inflight)) == {})

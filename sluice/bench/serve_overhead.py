@@ -203,6 +203,7 @@ def _start_path(name: str, up_port: int, redis_url: str, routing: str, extra: li
                 procs: list, phases: bool = False) -> _Path:
     from sluice.default_model import resolve_model
     from sluice.gateway.envoy.bootstrap import EnvoyConfig, render_bootstrap
+    from sluice.gateway.envoy.listener import HOLD_HEADERS
     from sluice.gateway.envoy.process import EnvoyProcess
     from sluice.local.stack import free_ports
 
@@ -218,7 +219,11 @@ def _start_path(name: str, up_port: int, redis_url: str, routing: str, extra: li
     if name == "envoy":  # the hop alone: no ext_proc, the one upstream by load balancing
         hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
         filters = hcm["typed_config"]["http_filters"]
-        filters[:] = [f for f in filters if f["name"] != "envoy.filters.http.ext_proc"]
+        filters[:] = [f for f in filters if f["name"] not in (
+            "envoy.filters.http.ext_proc", HOLD_HEADERS, "envoy.filters.http.lua")]
+        # (and no completion routes: without a picker they only answer an empty body's 400)
+        vhost = hcm["typed_config"]["route_config"]["virtual_hosts"][0]
+        vhost["routes"] = [r for r in vhost["routes"] if "path" not in r["match"]]
     else:
         picker_routing = "round_robin" if name == "envoy_picker_rr" else routing
         procs.append(subprocess.Popen([sys.executable, "-m", "sluice.cli", "epp", "--host",

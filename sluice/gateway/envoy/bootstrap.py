@@ -1,8 +1,9 @@
 """The Envoy v3 static bootstrap of Sluice's data plane: one listener, ext_proc to the picker.
 
 Request path: early strip of client routing headers -> body_size_limit (413) -> buffer ->
-ext_proc (the picker reads the whole body, names `ip:port` endpoints) -> header_to_metadata ->
-router. Envoy 1.40 does fallbacks only over hosts a cluster already knows, hence two shapes:
+ext_proc (the picker reads the whole body, names `ip:port` endpoints; completions body first,
+listener.BODY_FIRST_MODE) -> buffer (holds the headers until then) -> Lua (applies a body-first
+answer's header changes) -> header_to_metadata -> router. Envoy 1.40 does fallbacks only over hosts a cluster already knows, hence two shapes:
 
 * no `endpoints`: ORIGINAL_DST routes to the ONE `ip:port` in request header
   `x-gateway-destination-endpoint` (a comma list there is an invalid host: 503). Retries go to

@@ -17,7 +17,16 @@ if TYPE_CHECKING:
 DEST_HEADER = "x-gateway-destination-endpoint"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
 LB_NAMESPACE = "envoy.lb"
+# Completions reach the picker body first (no request-headers exchange; see _completion_routes):
+# the paths, what Envoy sends of the request line with the body (ext_proc request_attributes,
+# keyed by these expressions), and the metadata namespace of the picker's request-header
+# changes, which the Lua filter applies ({"remove": [name...], "set": {name: value}}).
+COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
+ATTR_METHOD, ATTR_PATH = "request.method", "request.url_path"
+ATTR_AUTHORIZATION = "request.headers['authorization']"  # (absent: no such header)
+REQUEST_NAMESPACE = "sluice.request"
 PICKER_CLUSTER = "sluice_picker"
+HOLD_HEADERS = "sluice.hold_headers"
 ENGINE_CLUSTER = "sluice_engines"
 T = "type.googleapis.com/envoy.extensions."
 
@@ -91,6 +100,26 @@ def _processing_mode(response_headers: bool) -> dict:
 
 # The one mode_override the picker may (and should) send with its request-headers answer.
 PICKER_MODE = _processing_mode(response_headers=True)
+# The completion routes' mode: no request-headers message (the body message carries the
+# request line as attributes), so one exchange fewer on the request path. Envoy cannot apply
+# header changes from a body answer when it sent no headers: the picker puts them in
+# REQUEST_NAMESPACE metadata and the Lua filter applies them. The response headers are asked
+# for statically here (there is no headers answer to carry a mode_override), so Envoy's own
+# replies on these routes (413, an empty body's 400) also open a picker stream.
+BODY_FIRST_MODE = {**PICKER_MODE, "request_header_mode": "SKIP"}
+# Applies the picker's request-header changes (REQUEST_NAMESPACE metadata, set by its body
+# answer), then re-selects the route: the picked request now matches the routed completion
+# route (envoy.lb has the destination) instead of the empty-body one.
+_APPLY_REQUEST_CHANGES = f"""
+function envoy_on_request(handle)
+  local changes = handle:streamInfo():dynamicMetadata():get("{REQUEST_NAMESPACE}")
+  if changes == nil then return end
+  local headers = handle:headers()
+  for _, name in ipairs(changes["remove"] or {{}}) do headers:remove(name) end
+  for name, value in pairs(changes["set"] or {{}}) do headers:replace(name, value) end
+  handle:clearRouteCache()
+end
+"""
 
 
 def _ext_proc(cfg: EnvoyConfig) -> dict:
@@ -111,10 +140,13 @@ def _ext_proc(cfg: EnvoyConfig) -> dict:
         "processing_mode": _processing_mode(response_headers=False),
         "allow_mode_override": True,
         "allowed_override_modes": [PICKER_MODE],
+        # With the first message (headers, or a completion's body): what the picker reads.
+        "request_attributes": [ATTR_METHOD, ATTR_PATH, ATTR_AUTHORIZATION],
         # forwarding: the picker sees envoy.lb (served endpoint) on the response headers;
         # receiving: Envoy drops picker metadata in namespaces not listed here.
         "metadata_options": {"forwarding_namespaces": {"untyped": [LB_NAMESPACE]},
-                             "receiving_namespaces": {"untyped": [LB_NAMESPACE]}}}}
+                             "receiving_namespaces": {"untyped": [LB_NAMESPACE,
+                                                                  REQUEST_NAMESPACE]}}}}
 
 
 def _route(cfg: EnvoyConfig, prefix: str) -> dict:
@@ -136,12 +168,47 @@ def _route(cfg: EnvoyConfig, prefix: str) -> dict:
             "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]}
 
 
+def _post(path: str, routed: bool) -> dict:
+    match: dict[str, Any] = {"path": path, "headers": [
+        {"name": ":method", "string_match": {"exact": "POST"}}]}
+    if routed:  # the picker named the endpoints (its body answer, metadata only)
+        match["dynamic_metadata"] = [{"filter": LB_NAMESPACE, "path": [{"key": DEST_HEADER}],
+                                      "value": {"present_match": True}}]
+    return match
+
+
+def _completion_routes(cfg: EnvoyConfig) -> list[dict]:
+    """POST to a completion path, body first (BODY_FIRST_MODE). First matched before the picker
+    answered: then it is the empty-body route, whose 400 Envoy answers when no body (so no
+    picker call) came; the picker's answer re-selects (Lua) the routed one. None when ext_proc
+    fails open: a request the picker never answered would get that 400 (the prefix routes
+    then send completions headers first, as before)."""
+    if cfg.failure_mode_allow:
+        return []
+    per_route = {"envoy.filters.http.ext_proc": {
+        "@type": T + "filters.http.ext_proc.v3.ExtProcPerRoute",
+        "overrides": {"processing_mode": BODY_FIRST_MODE}}}
+    routes = []
+    for path in COMPLETION_PATHS:
+        if not any(path.startswith(p) for p in cfg.route_prefixes):
+            continue
+        routed = _route(cfg, path)
+        routed["match"] = _post(path, routed=True)
+        routes += [{**routed, "typed_per_filter_config": per_route},
+                   {"match": _post(path, routed=False), "typed_per_filter_config": per_route,
+                    "direct_response": {"status": 400,
+                                        "body": {"inline_string": "request body is empty"}}}]
+    return routes
+
+
 def _not_found() -> dict:
     # Answered by Envoy alone: neither buffered nor sent to the picker.
     return {"match": {"prefix": "/"},
             "direct_response": {"status": 404, "body": {"inline_string": "no such route"}},
             "typed_per_filter_config": {
                 "envoy.filters.http.buffer": {
+                    "@type": T + "filters.http.buffer.v3.BufferPerRoute", "disabled": True},
+                HOLD_HEADERS: {
                     "@type": T + "filters.http.buffer.v3.BufferPerRoute", "disabled": True},
                 "envoy.filters.http.ext_proc": {
                     "@type": T + "filters.http.ext_proc.v3.ExtProcPerRoute", "disabled": True}}}
@@ -161,6 +228,14 @@ def http_connection_manager(cfg: EnvoyConfig) -> dict:
             "@type": T + "filters.http.buffer.v3.Buffer",
             "max_request_bytes": cfg.max_request_bytes}},
         _ext_proc(cfg),
+        # Holds the headers until the body went through ext_proc: a completion's body answer
+        # names its endpoint, and the router picks the upstream when it gets the headers.
+        {"name": HOLD_HEADERS, "typed_config": {
+            "@type": T + "filters.http.buffer.v3.Buffer",
+            "max_request_bytes": cfg.max_request_bytes}},
+        {"name": "envoy.filters.http.lua", "typed_config": {
+            "@type": T + "filters.http.lua.v3.Lua",
+            "default_source_code": {"inline_string": _APPLY_REQUEST_CHANGES}}},
         {"name": "envoy.filters.http.header_to_metadata", "typed_config": {
             "@type": T + "filters.http.header_to_metadata.v3.Config",
             "response_rules": [{"header": SERVED_KEY, "remove": True, "on_header_present": {
@@ -192,7 +267,8 @@ def http_connection_manager(cfg: EnvoyConfig) -> dict:
         "local_reply_config": local_reply_config(),
         "route_config": {"name": "sluice", "virtual_hosts": [{
             "name": "sluice", "domains": ["*"],
-            "routes": [*(_route(cfg, p) for p in cfg.route_prefixes), _not_found()]}]},
+            "routes": [*_completion_routes(cfg), *(_route(cfg, p) for p in cfg.route_prefixes),
+                       _not_found()]}]},
         "http_filters": filters}
     if cfg.access_log:
         # Compact, and no Authorization, cookies or query strings (they can carry keys).

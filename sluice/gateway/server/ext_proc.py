@@ -21,6 +21,12 @@ headers, then its whole body (BUFFERED), then the response's headers:
 - the stream ends when Envoy is done with the HTTP request (answered, reset,
   client gone): the request's in-flight accounting ends there.
 
+Sluice's own Envoy sends completions body first (`listener.BODY_FIRST_MODE`): no
+request-headers message, one exchange fewer on the request path. The body message
+then carries the request line as attributes; the same checks run on it, and the
+body answer's header changes travel as metadata (`messages.body_first`). A
+Gateway that sends the headers first (GIE's protocol) gets the flow above.
+
 State: each stream owns its `_Exchange`; shared state is the picker's, and
 every coroutine runs on the one event loop.
 """
@@ -72,6 +78,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
                       context) -> AsyncIterator[pb.ProcessingResponse]:
         ex = _Exchange()
+        first = True
         try:
             async for req in request_iterator:
                 phase = req.WhichOneof("request")
@@ -79,7 +86,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     yield self._request_headers(ex, req)
                 elif phase == "request_body":
                     if req.request_body.end_of_stream:
-                        yield await self._request_body(ex, req)
+                        yield await (self._body_first(ex, req) if first else
+                                     self._request_body(ex, req))
                     else:  # (streamed bodies are not configured; refuse rather than guess)
                         yield msg.immediate_error(400, "the request body must be buffered")
                 elif phase == "response_headers":
@@ -90,6 +98,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
                 elif phase == "response_trailers":
                     yield msg.RESPONSE_TRAILERS_CONTINUE
+                first = False
         finally:
             if ex.attempt is not None:
                 ex.attempt.done()
@@ -98,6 +107,37 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
     def _request_headers(self, ex: _Exchange, req: pb.ProcessingRequest) -> pb.ProcessingResponse:
         method, path, authorization = msg.request_line(req.request_headers)
+        answer = self._request_line(ex, req, method, path, authorization,
+                                    req.request_headers.end_of_stream)
+        if answer is not None:
+            return answer
+        # A gateway key stays here (the engines never see it); an open gateway passes
+        # the header on, for engines that check their own key (vLLM's --api-key).
+        if ex.key_name is None:
+            return msg.CONTINUE_OPEN
+        return msg.continue_request_headers(remove=(*msg.PICKER_HEADERS, "authorization"),
+                                            key_name=ex.key_name)
+
+    async def _body_first(self, ex: _Exchange, req: pb.ProcessingRequest
+                          ) -> pb.ProcessingResponse:
+        """A completion's body with no headers message before it (BODY_FIRST_MODE)."""
+        line = msg.attributes_line(req)
+        if line is None:  # (Envoy configured without the attributes: nothing to route on)
+            return msg.immediate_error(500, "the gateway sent no request line")
+        answer = self._request_line(ex, req, *line, empty=False)
+        if answer is not None:
+            return answer
+        # (a client's own x-prefiller-host-port would make the decode engine fetch from
+        # wherever it names; the destination header is overwritten by the route anyway)
+        return msg.body_first(await self._request_body(ex, req),
+                              remove=msg.PICKER_HEADERS if ex.key_name is None
+                              else (*msg.PICKER_HEADERS, "authorization"),
+                              key_name=ex.key_name)
+
+    def _request_line(self, ex: _Exchange, req: pb.ProcessingRequest, method: str, path: str,
+                      authorization: str | None, empty: bool) -> pb.ProcessingResponse | None:
+        """The answer the request line and the API key decide on their own; None for a
+        completion to route (`ex` then knows its kind, key and subset hint)."""
         core = self.picker.core
         if path == "/health" and method == "GET":  # (probes carry no key)
             status, body = core.health_body()
@@ -113,16 +153,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             core.metrics.child(core.metrics.requests, key_name).inc()
         kind = ROUTES.get(path)
         if kind is not None and method == "POST":
-            if req.request_headers.end_of_stream:
+            if empty:
                 return msg.immediate_error(400, "request body is empty")
             ex.kind, ex.key_name = kind, key_name
             ex.subset = msg.subset_hint(req)
-            # A gateway key stays here (the engines never see it); an open gateway passes
-            # the header on, for engines that check their own key (vLLM's --api-key).
-            if key_name is None:
-                return msg.CONTINUE_OPEN
-            return msg.continue_request_headers(remove=(*msg.PICKER_HEADERS, "authorization"),
-                                                key_name=key_name)
+            return None
         if path == "/v1/models" and method == "GET":
             return msg.immediate(200, json.dumps(core.models_body()).encode())
         if kind is not None or path in ("/v1/models", "/health"):

@@ -21,7 +21,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf import json_format
 
-from sluice.gateway.envoy.listener import PICKER_MODE
+from sluice.gateway.envoy.listener import (
+    ATTR_AUTHORIZATION,
+    ATTR_METHOD,
+    ATTR_PATH,
+    PICKER_MODE,
+    REQUEST_NAMESPACE,
+)
 from sluice.openai_error import error_json
 
 DESTINATION = "x-gateway-destination-endpoint"
@@ -57,6 +63,46 @@ def request_line(msg: pb.HttpHeaders) -> tuple[str, str, str | None]:
         elif key == "authorization":
             authorization = header_value(h)
     return method, path, authorization
+
+
+_ATTRIBUTES = "envoy.filters.http.ext_proc"  # (the key Envoy files the attributes under)
+
+
+def attributes_line(req: pb.ProcessingRequest) -> tuple[str, str, str | None] | None:
+    """`request_line` from the attributes Envoy sends with a completion's body (no headers
+    message came first: listener.BODY_FIRST_MODE); None when it sent none."""
+    attrs = req.attributes.get(_ATTRIBUTES)
+    if attrs is None:
+        return None
+    fields = attrs.fields
+    auth = fields.get(ATTR_AUTHORIZATION)
+    return (fields[ATTR_METHOD].string_value if ATTR_METHOD in fields else "",
+            fields[ATTR_PATH].string_value if ATTR_PATH in fields else "",
+            None if auth is None else auth.string_value)
+
+
+def body_first(answer: pb.ProcessingResponse, remove: tuple[str, ...],
+               key_name: str | None) -> pb.ProcessingResponse:
+    """A body answer (`route_to`) for a request whose headers Envoy never sent: its header
+    changes, `remove` first, go in REQUEST_NAMESPACE metadata for the Lua filter (Envoy
+    drops header mutations it cannot apply); the key's name in `envoy.lb` metadata. Other
+    answers (immediate ones) pass as they are."""
+    if not answer.HasField("request_body"):
+        return answer
+    mutation = answer.request_body.response.header_mutation
+    changes = answer.dynamic_metadata.fields[REQUEST_NAMESPACE].struct_value.fields
+    removed = changes["remove"].list_value
+    removed.SetInParent()  # (a list, even an empty one)
+    for name in (*remove, *mutation.remove_headers):
+        removed.values.add().string_value = name
+    put = changes["set"].struct_value.fields
+    for option in mutation.set_headers:
+        put[option.header.key].string_value = header_value(option.header)
+    answer.request_body.response.ClearField("header_mutation")
+    if key_name is not None:
+        answer.dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields[
+            KEY_NAME].string_value = key_name
+    return answer
 
 
 def _fill(options, headers: dict[str, str]) -> None:
