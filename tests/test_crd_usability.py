@@ -115,8 +115,19 @@ def test_status_replicas_count_the_pods_its_selector_selects(example):
             client = kube.KubeClient.from_connection(connection(server))
             await client.create(kube.POOLS, "default", body)
             pool = lambda: api.store.get(api.kind("inferencepools"), "default", name)
-            await eventually(lambda: (pool().get("status") or {}).get("readyReplicas") == sum(
-                r["replicas"] for r in pool()["status"]["roles"].values()) > 0, 10, "ready")
+            # (the roles' Deployments report one after the other: a status counting only
+            # the first is consistent but not settled, so wait for every desired pod)
+            spec = body["spec"]
+            desired = (sum(r["replicas"] for r in spec["roles"].values()) if "roles" in spec
+                       else spec["replicas"])
+
+            def settled() -> bool:
+                status = pool().get("status") or {}
+                return (status.get("readyReplicas") == desired and sum(
+                    r["replicas"] for r in status["roles"].values()) == desired
+                    and len(_matching(api, status["selector"])) == desired)
+
+            await eventually(settled, 10, "ready")
             status = pool()["status"]
             assert len(_matching(api, status["selector"])) == status["replicas"]
             for role in status["roles"].values():
