@@ -51,3 +51,19 @@ def test_every_linear_is_replaced_and_a_tied_weight_stays():
 def test_float32_and_other_devices_keep_torch_kernels():
     assert not can_pack(torch.float32, torch.device("cpu"))
     assert not can_pack(torch.bfloat16, torch.device("meta"))
+
+
+@needs_bf16
+def test_a_loaded_model_runs_outside_inference_mode_without_autograd(tiny_models):
+    """Callers that run the model outside torch.inference_mode (the early-exit proposer)
+    must not build autograd graphs: an input requiring grad sent the packed linears'
+    oneDNN op through autograd's fallback, ~700x slower."""
+    from sluice.engine.attention.torch_backend import TorchAttentionBackend
+    from sluice.engine.loader import load_model
+
+    lm = load_model(str(tiny_models["llama"]), "auto", TorchAttentionBackend(),
+                    torch.bfloat16, torch.device("cpu"))
+    assert any(isinstance(m, PackedLinear) for m in lm.modules())
+    assert not any(p.requires_grad for p in lm.parameters())
+    hidden = lm.model.embed_tokens(torch.tensor([1, 2, 3]))
+    assert not hidden.requires_grad and not lm.compute_logits(hidden).requires_grad

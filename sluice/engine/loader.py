@@ -62,6 +62,10 @@ def load_model(model: str, load_format: str, backend: AttentionBackend, dtype: t
         _load_weights(lm, load_gguf(model)[1])
     else:
         _load_weights(lm, _iter_safetensors(model))
+    # An inference engine: no parameter takes part in autograd, whatever mode a caller
+    # runs the model in (an input that requires grad sends the packed linears' oneDNN op
+    # through autograd's fallback: ~700x slower).
+    lm.requires_grad_(False)
     if can_pack(dtype, device):
         pack_linears(lm)  # (after loading: packing copies the weights it is given)
     return lm.eval()
