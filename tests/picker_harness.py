@@ -134,6 +134,23 @@ class ExtProcClient:
             stream.cancel()
         return answers
 
+    def open(self):
+        """A stream the caller drives, as Envoy does over a request's life: put requests in
+        the returned outbox (None ends the stream), get the answers from the answers queue."""
+        import queue
+        import threading
+
+        outbox: queue.Queue = queue.Queue()
+        answers: queue.Queue = queue.Queue()
+
+        def gen():
+            while (item := outbox.get()) is not None:
+                yield item
+
+        stream = self.stub.Process(gen(), timeout=30)
+        threading.Thread(target=lambda: [answers.put(a) for a in stream], daemon=True).start()
+        return outbox, answers
+
     def close(self) -> None:
         self.channel.close()
 

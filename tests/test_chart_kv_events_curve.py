@@ -41,9 +41,15 @@ def _container_args(manifest) -> list[str]:
     return manifest["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
-def run_hook(job_args: list[str], secrets: dict | None = None) -> tuple[str, dict]:
-    """The hook Job's program, with the Job's own arguments, against an emulated API server
-    holding `secrets` ((namespace, name) -> Secret); what it answered, and the Secrets after."""
+def _ensure_events(api, args) -> str:
+    return hook.ensure(api, args.engines, args.picker, dict(args.label))
+
+
+def run_hook(job_args: list[str], secrets: dict | None = None,
+             ensure=_ensure_events) -> tuple[str, dict]:
+    """The hook Job's program (its `ensure` part: the KV-events pairs by default), with the
+    Job's own arguments, against an emulated API server holding `secrets`
+    ((namespace, name) -> Secret); what it answered, and the Secrets after."""
     from kubernetes import client
 
     args = hook.parse_args(job_args)
@@ -57,8 +63,7 @@ def run_hook(job_args: list[str], secrets: dict | None = None) -> tuple[str, dic
             config.host = str(server.url).rstrip("/")
             with client.ApiClient(config) as api_client:
                 try:
-                    what = await asyncio.to_thread(hook.ensure, client.CoreV1Api(api_client),
-                                                   args.engines, args.picker, dict(args.label))
+                    what = await asyncio.to_thread(ensure, client.CoreV1Api(api_client), args)
                 except hook.BrokenPair as err:
                     what = f"broken: {err}"
             after = {(s["metadata"]["namespace"], s["metadata"]["name"]): s

@@ -8,17 +8,14 @@ itself with these halves: tests/test_kv_transfer.py; no torch here.)"""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import pathlib
 
-import kmock
 import pytest
 import zmq
-from kube_emulator import ApiServerEmulator
 from test_chart import render
-from test_chart_kv_events_curve import _container_args, _one, engine_pods
+from test_chart_kv_events_curve import _container_args, _one, engine_pods, run_hook
 
 from sluice import zmq_curve_secrets as hook
 from sluice.operator.render import KV_TRANSFER_CURVE_FILES
@@ -28,32 +25,11 @@ SECRET = "rel-sluice-kv-transfer-keys"
 
 
 def run_transfer_hook(job_args: list[str], secrets: dict | None = None) -> tuple[str, dict]:
-    """The hook Job's KV-transfer part with the Job's own arguments against an emulated API
-    server holding `secrets`; what it answered, and the Secrets after."""
-    from kubernetes import client
-
-    args = hook.parse_args(job_args)
-
-    async def scenario():
-        async with ApiServerEmulator() as api, kmock.Server(api) as server:
-            kind = api.kind("secrets")
-            for body in (secrets or {}).values():
-                api.store.create(kind, body["metadata"]["namespace"], body)
-            config = client.Configuration()
-            config.host = str(server.url).rstrip("/")
-            with client.ApiClient(config) as api_client:
-                try:
-                    what = await asyncio.to_thread(hook.ensure_transfer,
-                                                   client.CoreV1Api(api_client),
-                                                   args.kv_transfer, dict(args.label))
-                except hook.BrokenPair as err:
-                    what = f"broken: {err}"
-            after = {(s["metadata"]["namespace"], s["metadata"]["name"]): s
-                     for ns in ("sluice", "team-a", "team-b") for s in api.store.list(kind, ns)
-                     if s["metadata"]["name"] == SECRET}
-            return what, after
-
-    return asyncio.run(asyncio.wait_for(scenario(), 30))
+    """The hook Job's KV-transfer part (`run_hook` with `hook.ensure_transfer`); what it
+    answered, and the transfer Secrets after."""
+    what, after = run_hook(job_args, secrets, lambda api, args: hook.ensure_transfer(
+        api, args.kv_transfer, dict(args.label)))
+    return what, {k: v for k, v in after.items() if k[1] == SECRET}
 
 
 @pytest.fixture(scope="module")

@@ -135,18 +135,7 @@ def test_the_subset_hint_is_honoured(pool):
 def test_inflight_follows_the_pod_that_served_and_ends_with_the_stream(pool):
     picker, client, pods = pool
     flight = picker.core.flight
-    import queue
-    import threading
-
-    outbox: queue.Queue = queue.Queue()
-    answers: queue.Queue = queue.Queue()
-
-    def gen():
-        while (item := outbox.get()) is not None:
-            yield item
-
-    stream = client.stub.Process(gen(), timeout=30)
-    threading.Thread(target=lambda: [answers.put(a) for a in stream], daemon=True).start()
+    outbox, answers = client.open()
     outbox.put(post())
     answers.get(timeout=10)
     outbox.put(body({"model": "m", "prompt": "hi"}))

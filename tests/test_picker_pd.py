@@ -4,8 +4,6 @@ prompt names a prefill pod in `x-prefiller-host-port`, a short one does not, a c
 cannot name one, and the decisions show in response headers and metrics."""
 
 import json
-import queue
-import threading
 
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -84,15 +82,7 @@ def test_a_long_prompt_names_the_prefill_pod_and_a_short_one_does_not(pool):
 def test_the_prefill_pod_counts_in_flight_until_the_answer_begins(pool):
     picker, client, (_, _, p0) = pool
     flight = picker.core.flight
-    outbox: queue.Queue = queue.Queue()
-    answers: queue.Queue = queue.Queue()
-
-    def gen():
-        while (item := outbox.get()) is not None:
-            yield item
-
-    stream = client.stub.Process(gen(), timeout=30)
-    threading.Thread(target=lambda: [answers.put(a) for a in stream], daemon=True).start()
+    outbox, answers = client.open()
     outbox.put(post())
     answers.get(timeout=10)
     outbox.put(body(LONG))
