@@ -10,6 +10,7 @@ import sys
 import httpx
 import pytest
 from engine_server import EngineProcess
+from polling import wait_for
 from test_local_up import start_up, wait_healthy
 
 from sluice.local.cli import shape_error
@@ -58,9 +59,12 @@ def test_up_prefill_decode_serves_long_prompts_disaggregated(tiny_chat_model):
         assert r.headers["x-sluice-pd"] == "prefill" and {decode, prefill} == set(pods)
         expected = complete(reference.url, LONG).json()["choices"][0]["text"]
         assert r.json()["choices"][0]["text"] == expected  # token for token
-        # the prefill engine served the prefill: the decode engine pulled its blocks
-        assert metric(prefill, *PULLED) == before[prefill][0] + 1
-        assert metric(decode, *RECEIVED) > before[decode][1]
+        # the prefill engine served the prefill: the decode engine pulled its blocks (the
+        # counters reach /metrics with the engine core's next metrics message: polled)
+        wait_for(lambda: metric(prefill, *PULLED) == before[prefill][0] + 1, timeout=10,
+                 what="the prefill pod counts the pull")
+        wait_for(lambda: metric(decode, *RECEIVED) > before[decode][1], timeout=10,
+                 what="the decode pod counts the bytes received")
         assert metric(decode, "sluice:kv_transfer_prefill_leg_failures_total") == 0
         assert metric(decode, "sluice:kv_transfer_fallbacks_total") == 0
 

@@ -125,12 +125,14 @@ def main(args: argparse.Namespace) -> int:
     llm.step()  # one untimed decode step: first-call allocations
     context = sum(r.num_tokens for r in llm.scheduler.running) / args.batch_size
     phases = time_phases(llm, args.steps)
+    backend = type(llm.model.model.layers[0].self_attn.backend).__name__
     result = {"batch_size": args.batch_size, "mean_context": context, "dtype": str(llm.dtype),
+              "attention_backend": backend,
               "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
               **{f"{k}_ms": v for k, v in phases.items()}}
     order = ["step", "schedule", "forward", "logits", "sample", "rest"]
     print(f"decode step, batch {args.batch_size}, mean context {context:.0f} tokens, "
-          f"{llm.dtype}, {torch.get_num_threads()} threads")
+          f"{llm.dtype}, {torch.get_num_threads()} threads, {backend}")
     for k in order:
         print(f"  {k:>9}: {phases.get(k, 0.0):8.2f} ms")
     if args.profile_ops:

@@ -119,7 +119,7 @@ class EngineConfig:
     load_format: str = "auto"  # auto | dummy
     dtype: str = "auto"
     device: str = "auto"
-    attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
+    attention_backend: str = "auto"  # auto (triton on CUDA, cpu on CPU) | cpu | torch | triton
     enforce_eager: bool = False  # no CUDA graphs
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)

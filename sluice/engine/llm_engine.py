@@ -7,6 +7,8 @@ import time
 
 import torch
 
+from sluice.engine.attention import cpu_kernel
+from sluice.engine.attention.cpu_backend import CpuAttentionBackend
 from sluice.engine.attention.torch_backend import TorchAttentionBackend
 from sluice.engine.config import EngineConfig
 from sluice.engine.kv_cache_manager import KVCacheManager
@@ -59,9 +61,11 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
-        use_triton = config.attention_backend == "triton" or (
-            config.attention_backend == "auto" and self.device.type == "cuda")
+        choice = config.attention_backend
+        use_triton = choice == "triton" or (choice == "auto" and self.device.type == "cuda")
         backend = TorchAttentionBackend()
+        if choice == "cpu" or (choice == "auto" and self.device.type == "cpu"):
+            backend = self._cpu_backend(required=choice == "cpu")
         if use_triton:  # Triton paged attention; imported lazily (CPU installs need no Triton)
             from sluice.engine.attention.triton_backend import TritonAttentionBackend
 
@@ -136,6 +140,14 @@ class LLMEngine:
         assert req.is_finished or req.num_computed_tokens == req.num_tokens - 1, "in decode"
         self.metrics.on_token(req, now, n)
         return tokens[:n], None if logprobs[0] is None else logprobs[:n]
+
+    @staticmethod
+    def _cpu_backend(required: bool) -> TorchAttentionBackend:
+        lib = cpu_kernel.load()
+        if lib is None and required:
+            raise RuntimeError("--attention-backend cpu: the CPU attention kernel could not be "
+                               "built here (a C compiler, gcc or $CC, is needed; log above)")
+        return TorchAttentionBackend() if lib is None else CpuAttentionBackend(lib)
 
     def _step_peak(self) -> int:
         """On CUDA, the activation peak of a full-budget step (measured on a scratch pool)."""

@@ -48,33 +48,48 @@ class BlockPlan:
 
 
 @dataclass(frozen=True)
+class FewQueries:
+    """The step's few-query sequences, int32 [B] each (the compiled CPU kernel's input)."""
+
+    seq_rows: torch.Tensor  # row in block_tables (= index in the step)
+    q_starts: torch.Tensor  # first query row
+    q_lens: torch.Tensor  # query rows (1 for a decode)
+    seq_lens: torch.Tensor  # context length, this step's tokens included
+
+
+@dataclass(frozen=True)
 class StepPlan:
     # Row of each new token's each head in a layer's K (or V) cache seen as
     # [num_blocks * kv_heads * block_size, head_dim]: [num_tokens * kv_heads], token-major.
     write_rows: torch.Tensor
-    blockwise: BlockPlan | None
+    few: FewQueries | None
+    blockwise: BlockPlan | None  # built only for backends that run `_blockwise`
     prefills: tuple[int, ...]  # sequences with more than MAX_BLOCKWISE_QUERIES query rows
 
 
-def build_plan(meta: AttentionMetadata, block_size: int, kv_heads: int) -> StepPlan:
+def build_plan(meta: AttentionMetadata, block_size: int, kv_heads: int,
+               blockwise: bool = True) -> StepPlan:
     starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     q_lens = [starts[i + 1] - starts[i] for i in range(meta.num_seqs)]
     few = [i for i, q in enumerate(q_lens) if 1 <= q <= MAX_BLOCKWISE_QUERIES]
     prefills = tuple(i for i, q in enumerate(q_lens) if q > MAX_BLOCKWISE_QUERIES)
     slots = meta.slot_mapping.long()
-    plan = None
+    few_queries = plan = None
     if few:
+        few_queries = FewQueries(*(torch.tensor(v, dtype=torch.int32) for v in (
+            few, [starts[i] for i in few], [q_lens[i] for i in few], [lens[i] for i in few])))
+    if few and blockwise:
         num_q = max(q_lens[i] for i in few)
         num_blocks = torch.tensor([-(-lens[i] // block_size) for i in few])
         width = int(num_blocks.max())
         tables = meta.block_tables[torch.tensor(few), :width].long()
         listed = torch.arange(width).unsqueeze(0) < num_blocks.unsqueeze(1)  # [B, width]
         r = torch.arange(num_q)
-        q_len = torch.tensor([q_lens[i] for i in few]).unsqueeze(1)  # [B, 1]
+        q_len = few_queries.q_lens.long().unsqueeze(1)  # [B, 1]
         r = torch.minimum(r.unsqueeze(0), q_len - 1)  # [B, Q]: padding repeats the last row
-        seen = torch.tensor([lens[i] for i in few]).unsqueeze(1) - q_len + r + 1  # keys per row
+        seen = few_queries.seq_lens.long().unsqueeze(1) - q_len + r + 1  # keys per row
         plan = BlockPlan(
-            rows=torch.tensor([starts[i] for i in few]).unsqueeze(1) + r,
+            rows=few_queries.q_starts.long().unsqueeze(1) + r,
             blocks=tables[listed],
             seq_of_block=torch.arange(len(few)).repeat_interleave(num_blocks),
             padded_index=listed.flatten().nonzero().squeeze(1),
@@ -84,7 +99,7 @@ def build_plan(meta: AttentionMetadata, block_size: int, kv_heads: int) -> StepP
     heads = torch.arange(kv_heads)
     write_rows = ((blocks.unsqueeze(1) * kv_heads + heads) * block_size
                   + offsets.unsqueeze(1)).flatten()
-    return StepPlan(write_rows, plan, prefills)
+    return StepPlan(write_rows, few_queries, plan, prefills)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -99,10 +114,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     def attend(self, q, kv_cache, meta, scale):
         plan = self._plan(kv_cache, meta)
-        out = torch.empty_like(q)
-        if plan.blockwise is not None:
-            rows = plan.blockwise.rows
-            out[rows] = _blockwise(q[rows], kv_cache, plan.blockwise, scale)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as q may not be
+        if plan.few is not None:
+            self._attend_few(q, out, kv_cache, meta, plan, scale)
         starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         for i in plan.prefills:
             q_start, q_end, seq_len = starts[i], starts[i + 1], lens[i]
@@ -110,10 +124,19 @@ class TorchAttentionBackend(AttentionBackend):
                                           seq_len, scale)
         return out
 
-    @staticmethod
-    def _plan(kv_cache: torch.Tensor, meta: AttentionMetadata) -> StepPlan:
+    def _attend_few(self, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
+                    meta: AttentionMetadata, plan: StepPlan, scale: float) -> None:
+        """Writes out's rows of the few-query sequences (plan.few)."""
+        rows = plan.blockwise.rows
+        out[rows] = _blockwise(q[rows], kv_cache, plan.blockwise, scale)
+
+    def _needs_blockwise(self, kv_cache: torch.Tensor) -> bool:
+        return True
+
+    def _plan(self, kv_cache: torch.Tensor, meta: AttentionMetadata) -> StepPlan:
         if meta.plan is None:
-            meta.plan = build_plan(meta, kv_cache.shape[3], kv_cache.shape[2])
+            meta.plan = build_plan(meta, kv_cache.shape[3], kv_cache.shape[2],
+                                   self._needs_blockwise(kv_cache))
         return meta.plan
 
 

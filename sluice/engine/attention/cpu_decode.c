@@ -1,0 +1,236 @@
+/* Paged attention for few-query sequences (decodes, speculative verification) on the CPU.
+ *
+ * One work item is one (sequence, KV head): its query rows are the q_len new tokens times
+ * the query heads sharing that KV head. The item walks the sequence's block table once,
+ * reading each [block_size, head_dim] key and value tile in place (the cache is head-major
+ * within a block, sluice/engine/attention/backend.py), with an online softmax:
+ *
+ *   per block: s = q . K^T (scaled), masked causally (row of query i sees the first
+ *   seq_len - q_len + i + 1 keys); m' = max(m, max s); p = exp(s - m');
+ *   l = l * exp(m - m') + sum p; acc = acc * exp(m - m') + p V.
+ *   out = acc / l.
+ *
+ * Everything is accumulated in float32; bfloat16 is read by widening and written with
+ * round-to-nearest-even, as torch casts. Loops are shaped for the compiler's vectoriser:
+ * scores vectorise over a block's keys (K tile transposed once per block), values over
+ * head_dim, exp is a polynomial (Cephes' expf: ~1 ulp) that vectorises where libm's
+ * does not. Items are spread over OpenMP threads (torch's own libgomp once torch is loaded).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+#define MAX_BLOCK 256
+#define MAX_DIM 256
+
+typedef union { uint32_t u; float f; } bits32;
+
+static inline float exp_poly(float x) {
+    /* x <= 0 (a score minus the running max); below -87 the result underflows anyway. */
+    x = x < -87.0f ? -87.0f : x;
+    float n = __builtin_rintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    bits32 scale;
+    scale.u = (uint32_t)((int32_t)n + 127) << 23;
+    return p * scale.f;
+}
+
+static inline void load_row(const void *base, int dtype, int64_t index, float *dst, int n) {
+    if (dtype == DTYPE_BF16) {
+        const uint16_t *src = (const uint16_t *)base + index;
+        for (int i = 0; i < n; i++) {
+            bits32 v;
+            v.u = (uint32_t)src[i] << 16;
+            dst[i] = v.f;
+        }
+    } else {
+        memcpy(dst, (const float *)base + index, (size_t)n * sizeof(float));
+    }
+}
+
+static inline void store_row(void *base, int dtype, int64_t index, const float *src, int n) {
+    if (dtype == DTYPE_BF16) {
+        uint16_t *dst = (uint16_t *)base + index;
+        for (int i = 0; i < n; i++) {
+            bits32 v;
+            v.f = src[i];
+            uint32_t rounded = v.u + 0x7fffu + ((v.u >> 16) & 1u);
+            /* NaN stays NaN (quiet) instead of rounding into infinity. */
+            dst[i] = (v.u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((v.u >> 16) | 0x40u)
+                                                        : (uint16_t)(rounded >> 16);
+        }
+    } else {
+        memcpy((float *)base + index, src, (size_t)n * sizeof(float));
+    }
+}
+
+/* Blocks sit anywhere in the cache, so the hardware prefetcher cannot run ahead of the
+ * walk: the next block's tiles are requested while this one is computed. */
+static inline void prefetch_tile(const void *k_cache, const void *v_cache, int dtype,
+                                 int64_t index, int count) {
+    const int elem = dtype == DTYPE_BF16 ? 2 : 4;
+    const char *k = (const char *)k_cache + index * elem, *v = (const char *)v_cache + index * elem;
+    for (int off = 0; off < count * elem; off += 64) {
+        __builtin_prefetch(k + off);
+        __builtin_prefetch(v + off);
+    }
+}
+
+/* Folds one block's scores sr[0:n] of one query row into its running max m, sum l and
+ * weighted values ar, vf holding the block's value rows. */
+static inline __attribute__((always_inline)) void softmax_update(
+        float *restrict sr, float *restrict ar, const float *restrict vf, float *m, float *l, const int n,
+        const int head_dim) {
+    float block_max = sr[0];
+    for (int t = 1; t < n; t++) block_max = sr[t] > block_max ? sr[t] : block_max;
+    const float new_max = block_max > *m ? block_max : *m;
+    const float correction = exp_poly(*m - new_max);
+    float sum = 0.0f;
+    for (int t = 0; t < n; t++) {
+        sr[t] = exp_poly(sr[t] - new_max);
+        sum += sr[t];
+    }
+    *m = new_max;
+    *l = *l * correction + sum;
+    for (int d = 0; d < head_dim; d++) ar[d] *= correction;
+    for (int t = 0; t < n; t++) {
+        const float pt = sr[t];
+        const float *vt = vf + t * head_dim;
+        for (int d = 0; d < head_dim; d++) ar[d] += pt * vt[d];
+    }
+}
+
+/* One (sequence, KV head). q and out: [num_tokens, num_heads, head_dim]; k_cache and
+ * v_cache: [num_blocks, kv_heads, block_size, head_dim]; table: the sequence's blocks.
+ * Always inlined so that the dispatcher's constant head_dim and block_size become constant
+ * trip counts: the head_dim loops turn into a few whole vectors. */
+static inline __attribute__((always_inline)) void attend_item(
+        const void *q, void *out, const void *k_cache, const void *v_cache, const int32_t *table,
+        int q_start, int q_len, int seq_len, int kv_head, int num_heads, int kv_heads,
+        const int head_dim, const int block_size, float scale, int dtype, float *scratch) {
+    const int group = num_heads / kv_heads;
+    const int rows = q_len * group;
+    float *qf = scratch;                      /* [rows, head_dim] */
+    float *acc = qf + rows * head_dim;        /* [rows, head_dim] */
+    float *m = acc + rows * head_dim;         /* [rows] */
+    float *l = m + rows;                      /* [rows] */
+    float *s = l + rows;                      /* [rows, block_size] scores, then weights */
+    float *vf = s + rows * block_size;        /* [block_size, head_dim] */
+    float krow[MAX_DIM];
+
+    for (int r = 0; r < rows; r++) {
+        int token = q_start + r / group, head = kv_head * group + r % group;
+        load_row(q, dtype, ((int64_t)token * num_heads + head) * head_dim, qf + r * head_dim,
+                 head_dim);
+        for (int d = 0; d < head_dim; d++) qf[r * head_dim + d] *= scale;
+        m[r] = -1e30f;
+        l[r] = 0.0f;
+    }
+    memset(acc, 0, (size_t)rows * head_dim * sizeof(float));
+
+    const int num_blocks = (seq_len + block_size - 1) / block_size;
+    for (int b = 0; b < num_blocks; b++) {
+        const int first = b * block_size;
+        const int in_block = seq_len - first < block_size ? seq_len - first : block_size;
+        const int64_t tile = (((int64_t)table[b] * kv_heads + kv_head) * block_size) * head_dim;
+        if (b + 1 < num_blocks)
+            prefetch_tile(k_cache, v_cache, dtype,
+                          (((int64_t)table[b + 1] * kv_heads + kv_head) * block_size) * head_dim,
+                          block_size * head_dim);
+        for (int t = 0; t < in_block; t++) {
+            load_row(k_cache, dtype, tile + (int64_t)t * head_dim, krow, head_dim);
+            for (int r = 0; r < rows; r++) {
+                const float *qr = qf + r * head_dim;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int d = 0; d < head_dim; d++) dot += qr[d] * krow[d];
+                s[r * block_size + t] = dot;
+            }
+            load_row(v_cache, dtype, tile + (int64_t)t * head_dim, vf + t * head_dim, head_dim);
+        }
+        for (int r = 0; r < rows; r++) {
+            /* Keys this row may see in this block: causal for the row's query position. */
+            int visible = seq_len - q_len + r / group + 1 - first;
+            if (visible <= 0) continue;
+            if (visible > in_block) visible = in_block;
+            float *ar = acc + r * head_dim;
+            float *sr = s + r * block_size;
+            /* A whole block (the common case) gets constant trip counts. */
+            if (visible == block_size)
+                softmax_update(sr, ar, vf, m + r, l + r, block_size, head_dim);
+            else
+                softmax_update(sr, ar, vf, m + r, l + r, visible, head_dim);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        int token = q_start + r / group, head = kv_head * group + r % group;
+        float *ar = acc + r * head_dim;
+        const float inv = 1.0f / l[r];
+        for (int d = 0; d < head_dim; d++) ar[d] *= inv;
+        store_row(out, dtype, ((int64_t)token * num_heads + head) * head_dim, ar, head_dim);
+    }
+}
+
+#define ITEM_ARGS q, out, k_cache, v_cache, table, q_start, q_len, seq_len, kv_head, num_heads, \
+                  kv_heads
+#define ITEM_TAIL scale, dtype, scratch
+
+/* The common (head_dim, block_size) pairs get constant-size loops; others the general one. */
+static void attend_dispatch(const void *q, void *out, const void *k_cache, const void *v_cache,
+                            const int32_t *table, int q_start, int q_len, int seq_len,
+                            int kv_head, int num_heads, int kv_heads, int head_dim,
+                            int block_size, float scale, int dtype, float *scratch) {
+    if (head_dim == 64 && block_size == 16)
+        attend_item(ITEM_ARGS, 64, 16, ITEM_TAIL);
+    else if (head_dim == 128 && block_size == 16)
+        attend_item(ITEM_ARGS, 128, 16, ITEM_TAIL);
+    else if (head_dim == 64)
+        attend_item(ITEM_ARGS, 64, block_size, ITEM_TAIL);
+    else if (head_dim == 128)
+        attend_item(ITEM_ARGS, 128, block_size, ITEM_TAIL);
+    else
+        attend_item(ITEM_ARGS, head_dim, block_size, ITEM_TAIL);
+}
+
+/* Returns 0, or -1 for shapes this kernel does not take (the caller checks them first). */
+int sluice_paged_decode(const void *q, void *out, const void *k_cache, const void *v_cache,
+                        const int32_t *block_tables, int64_t table_stride,
+                        const int32_t *seq_rows, const int32_t *q_starts, const int32_t *q_lens,
+                        const int32_t *seq_lens, int num_seqs, int num_heads, int kv_heads,
+                        int head_dim, int block_size, float scale, int dtype, int num_threads) {
+    if (head_dim > MAX_DIM || block_size > MAX_BLOCK || num_heads % kv_heads != 0) return -1;
+    int max_q = 1;
+    for (int i = 0; i < num_seqs; i++) max_q = q_lens[i] > max_q ? q_lens[i] : max_q;
+    const int max_rows = max_q * (num_heads / kv_heads);
+    const size_t scratch_floats =
+        (size_t)max_rows * (2 * head_dim + 2 + block_size) + (size_t)head_dim * block_size;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        float *scratch = (float *)malloc(scratch_floats * sizeof(float));
+        if (scratch == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < num_seqs * kv_heads; item++) {
+            if (scratch == NULL) continue;
+            const int i = item / kv_heads, h = item % kv_heads;
+            attend_dispatch(q, out, k_cache, v_cache,
+                            block_tables + (int64_t)seq_rows[i] * table_stride, q_starts[i],
+                            q_lens[i], seq_lens[i], h, num_heads, kv_heads, head_dim, block_size,
+                            scale, dtype, scratch);
+        }
+        free(scratch);
+    }
+    return failed ? -2 : 0;
+}
