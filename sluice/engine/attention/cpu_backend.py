@@ -16,15 +16,22 @@ import torch
 
 from sluice.engine.attention import cpu_kernel
 from sluice.engine.attention.backend import AttentionMetadata
-from sluice.engine.attention.torch_backend import StepPlan, TorchAttentionBackend
+from sluice.engine.attention.torch_backend import StepPlan, TorchAttentionBackend, build_plan
+
+# Query rows per kernel work item of a prefill chunk: small enough to spread a long chunk over
+# threads, large enough that each key tile, transposed once, serves many rows.
+PREFILL_TILE = 64
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
     def __init__(self, lib: ctypes.CDLL):
         self._lib = lib
 
-    def _needs_blockwise(self, kv_cache: torch.Tensor) -> bool:
-        return not cpu_kernel.supports(kv_cache.dtype, kv_cache.shape[3], kv_cache.shape[4])
+    def _build_plan(self, kv_cache: torch.Tensor, meta: AttentionMetadata) -> StepPlan:
+        if not cpu_kernel.supports(kv_cache.dtype, kv_cache.shape[3], kv_cache.shape[4]):
+            return super()._build_plan(kv_cache, meta)
+        return build_plan(meta, kv_cache.shape[3], kv_cache.shape[2], blockwise=False,
+                          prefill_tile=PREFILL_TILE)
 
     def _attend_few(self, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
                     meta: AttentionMetadata, plan: StepPlan, scale: float) -> None:

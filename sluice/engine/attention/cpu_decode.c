@@ -23,6 +23,8 @@
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
 #define MAX_BLOCK 256
 #define MAX_DIM 256
+/* From this many query rows per (sequence, KV head) on, keys are transposed per block. */
+#define TRANSPOSE_ROWS 16
 
 typedef union { uint32_t u; float f; } bits32;
 
@@ -109,6 +111,40 @@ static inline __attribute__((always_inline)) void softmax_update(
     }
 }
 
+/* Scores of n <= 4 rows against a transposed key tile kt [head_dim, block_size]: four
+ * independent accumulator chains sharing each load of kt. */
+static inline __attribute__((always_inline)) void score_rows(
+        const float *restrict qr, const float *restrict kt, float *restrict sr, int n,
+        const int head_dim, const int block_size) {
+    float *restrict s0 = sr, *restrict s1 = sr + block_size, *restrict s2 = sr + 2 * block_size,
+          *restrict s3 = sr + 3 * block_size;
+    if (n < 4) {
+        for (int i = 0; i < n; i++) {
+            float *restrict si = sr + i * block_size;
+            for (int t = 0; t < block_size; t++) si[t] = 0.0f;
+            for (int d = 0; d < head_dim; d++) {
+                const float qd = qr[i * head_dim + d];
+#pragma omp simd
+                for (int t = 0; t < block_size; t++) si[t] += qd * kt[d * block_size + t];
+            }
+        }
+        return;
+    }
+    for (int t = 0; t < block_size; t++) s0[t] = s1[t] = s2[t] = s3[t] = 0.0f;
+    for (int d = 0; d < head_dim; d++) {
+        const float *kd = kt + d * block_size;
+        const float q0 = qr[d], q1 = qr[head_dim + d], q2 = qr[2 * head_dim + d],
+                    q3 = qr[3 * head_dim + d];
+#pragma omp simd
+        for (int t = 0; t < block_size; t++) {
+            s0[t] += q0 * kd[t];
+            s1[t] += q1 * kd[t];
+            s2[t] += q2 * kd[t];
+            s3[t] += q3 * kd[t];
+        }
+    }
+}
+
 /* One (sequence, KV head). q and out: [num_tokens, num_heads, head_dim]; k_cache and
  * v_cache: [num_blocks, kv_heads, block_size, head_dim]; table: the sequence's blocks.
  * Always inlined so that the dispatcher's constant head_dim and block_size become constant
@@ -125,6 +161,7 @@ static inline __attribute__((always_inline)) void attend_item(
     float *l = m + rows;                      /* [rows] */
     float *s = l + rows;                      /* [rows, block_size] scores, then weights */
     float *vf = s + rows * block_size;        /* [block_size, head_dim] */
+    float *kt = vf + block_size * head_dim;   /* [head_dim, block_size]: keys transposed */
     float krow[MAX_DIM];
 
     for (int r = 0; r < rows; r++) {
@@ -146,17 +183,37 @@ static inline __attribute__((always_inline)) void attend_item(
             prefetch_tile(k_cache, v_cache, dtype,
                           (((int64_t)table[b + 1] * kv_heads + kv_head) * block_size) * head_dim,
                           block_size * head_dim);
-        for (int t = 0; t < in_block; t++) {
-            load_row(k_cache, dtype, tile + (int64_t)t * head_dim, krow, head_dim);
-            for (int r = 0; r < rows; r++) {
-                const float *qr = qf + r * head_dim;
-                float dot = 0.0f;
+        if (rows < TRANSPOSE_ROWS) {
+            /* Few rows: a dot product per (row, key), reduced as a tree. */
+            for (int t = 0; t < in_block; t++) {
+                load_row(k_cache, dtype, tile + (int64_t)t * head_dim, krow, head_dim);
+                for (int r = 0; r < rows; r++) {
+                    const float *qr = qf + r * head_dim;
+                    float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                for (int d = 0; d < head_dim; d++) dot += qr[d] * krow[d];
-                s[r * block_size + t] = dot;
+                    for (int d = 0; d < head_dim; d++) dot += qr[d] * krow[d];
+                    s[r * block_size + t] = dot;
+                }
             }
-            load_row(v_cache, dtype, tile + (int64_t)t * head_dim, vf + t * head_dim, head_dim);
+        } else {
+            /* Many rows (a prefill tile): the key tile transposed once, then each row's scores
+             * are head_dim broadcast multiply-adds over a whole block of keys. */
+            for (int t = 0; t < in_block; t++) {
+                load_row(k_cache, dtype, tile + (int64_t)t * head_dim, krow, head_dim);
+                for (int d = 0; d < head_dim; d++) kt[d * block_size + t] = krow[d];
+            }
+            for (int t = in_block; t < block_size; t++)
+                for (int d = 0; d < head_dim; d++) kt[d * block_size + t] = 0.0f;
+            /* Rows that see none of this block's keys are skipped (a causal tile's first
+             * rows at its last blocks); they come first, so start past them. */
+            int r0 = 0;
+            while (r0 < rows && seq_len - q_len + r0 / group + 1 - first <= 0) r0++;
+            for (; r0 < rows; r0 += 4)
+                score_rows(qf + r0 * head_dim, kt, s + r0 * block_size,
+                           rows - r0 < 4 ? rows - r0 : 4, head_dim, block_size);
         }
+        for (int t = 0; t < in_block; t++)
+            load_row(v_cache, dtype, tile + (int64_t)t * head_dim, vf + t * head_dim, head_dim);
         for (int r = 0; r < rows; r++) {
             /* Keys this row may see in this block: causal for the row's query position. */
             int visible = seq_len - q_len + r / group + 1 - first;
@@ -212,7 +269,7 @@ int sluice_paged_decode(const void *q, void *out, const void *k_cache, const voi
     for (int i = 0; i < num_seqs; i++) max_q = q_lens[i] > max_q ? q_lens[i] : max_q;
     const int max_rows = max_q * (num_heads / kv_heads);
     const size_t scratch_floats =
-        (size_t)max_rows * (2 * head_dim + 2 + block_size) + (size_t)head_dim * block_size;
+        (size_t)max_rows * (2 * head_dim + 2 + block_size) + (size_t)2 * head_dim * block_size;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {

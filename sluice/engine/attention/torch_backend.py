@@ -68,16 +68,26 @@ class StepPlan:
 
 
 def build_plan(meta: AttentionMetadata, block_size: int, kv_heads: int,
-               blockwise: bool = True) -> StepPlan:
+               blockwise: bool = True, prefill_tile: int = 0) -> StepPlan:
+    """blockwise: build the BlockPlan `_blockwise` reads. prefill_tile > 0: prefill chunks
+    join `few` as tiles of that many query rows (for a kernel that walks them like decodes:
+    a tile of rows [a, b) of a q-row chunk is a (b - a)-row step of a context shorter by
+    q - b) instead of going to `prefills`."""
     starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     q_lens = [starts[i + 1] - starts[i] for i in range(meta.num_seqs)]
     few = [i for i, q in enumerate(q_lens) if 1 <= q <= MAX_BLOCKWISE_QUERIES]
     prefills = tuple(i for i, q in enumerate(q_lens) if q > MAX_BLOCKWISE_QUERIES)
     slots = meta.slot_mapping.long()
     few_queries = plan = None
-    if few:
-        few_queries = FewQueries(*(torch.tensor(v, dtype=torch.int32) for v in (
-            few, [starts[i] for i in few], [q_lens[i] for i in few], [lens[i] for i in few])))
+    rows = [(i, starts[i], q_lens[i], lens[i]) for i in few]
+    if prefill_tile:
+        for i in prefills:
+            for a in range(0, q_lens[i], prefill_tile):
+                b = min(a + prefill_tile, q_lens[i])
+                rows.append((i, starts[i] + a, b - a, lens[i] - q_lens[i] + b))
+        prefills = ()
+    if rows:
+        few_queries = FewQueries(*(torch.tensor(v, dtype=torch.int32) for v in zip(*rows)))
     if few and blockwise:
         num_q = max(q_lens[i] for i in few)
         num_blocks = torch.tensor([-(-lens[i] // block_size) for i in few])
@@ -126,17 +136,16 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _attend_few(self, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
                     meta: AttentionMetadata, plan: StepPlan, scale: float) -> None:
-        """Writes out's rows of the few-query sequences (plan.few)."""
+        """Writes out's rows of the sequences in plan.few."""
         rows = plan.blockwise.rows
         out[rows] = _blockwise(q[rows], kv_cache, plan.blockwise, scale)
 
-    def _needs_blockwise(self, kv_cache: torch.Tensor) -> bool:
-        return True
+    def _build_plan(self, kv_cache: torch.Tensor, meta: AttentionMetadata) -> StepPlan:
+        return build_plan(meta, kv_cache.shape[3], kv_cache.shape[2])
 
     def _plan(self, kv_cache: torch.Tensor, meta: AttentionMetadata) -> StepPlan:
         if meta.plan is None:
-            meta.plan = build_plan(meta, kv_cache.shape[3], kv_cache.shape[2],
-                                   self._needs_blockwise(kv_cache))
+            meta.plan = self._build_plan(kv_cache, meta)
         return meta.plan
 
 
