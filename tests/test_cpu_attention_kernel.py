@@ -1,4 +1,4 @@
-"""The compiled CPU paged decode kernel (cpu_decode.c) against the PyTorch reference."""
+"""The compiled CPU paged attention kernel (cpu_attention.c) against the PyTorch reference."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def lib():
 
 
 def _step(gen, lens, q_lens, block_size, kv_heads, group, head_dim, dtype):
-    """A step of few-query sequences (and one prefill chunk when q_lens has one) over
+    """A step of few-query sequences (and prefill chunks where q_lens has long ones) over
     shuffled block tables with partial last blocks."""
     num_blocks = sum(-(-n // block_size) for n in lens) + 3
     cache = torch.randn(kv_cache_shape(num_blocks, block_size, kv_heads, head_dim),
@@ -45,8 +45,10 @@ def _step(gen, lens, q_lens, block_size, kv_heads, group, head_dim, dtype):
 @pytest.mark.parametrize("block_size, head_dim", [(16, 64), (16, 32), (32, 128), (8, 80)])
 def test_kernel_equals_reference(lib, dtype, tol, block_size, head_dim):
     gen = torch.Generator().manual_seed(block_size * 1000 + head_dim)
-    lens = [1, block_size, block_size + 1, 45, 300, 9, 60, 77]
-    q_lens = [1, 1, 1, 5, 1, 9, 30, 16]  # decodes, speculative-style rows, a prefill chunk
+    lens = [1, block_size, block_size + 1, 45, 300, 9, 60, 77, 210]
+    # decodes, speculative-style rows, prefill chunks of one tile and of four (64, 64, 64, 8
+    # rows after a 10-token cached prefix)
+    q_lens = [1, 1, 1, 5, 1, 9, 30, 16, 200]
     q, cache, meta = _step(gen, lens, q_lens, block_size, 2, 3, head_dim, dtype)
     ref = TorchAttentionBackend().attend(q, cache, meta, head_dim ** -0.5)
     meta.plan = None
@@ -81,7 +83,7 @@ def test_kernel_plan_skips_the_blockwise_tensors(lib):
     q, cache, meta = _step(torch.Generator().manual_seed(3), [20, 40], [1, 1], 16, 2, 2, 64,
                            torch.bfloat16)
     CpuAttentionBackend(lib).attend(q, cache, meta, 0.125)
-    assert meta.plan.blockwise is None and meta.plan.few.seq_lens.tolist() == [20, 40]
+    assert meta.plan.blockwise is None and meta.plan.items.seq_lens.tolist() == [20, 40]
     # float16 is not a kernel dtype: the same backend takes the PyTorch blockwise path.
     meta.plan = None
     CpuAttentionBackend(lib).attend(q.half(), cache.half(), meta, 0.125)

@@ -48,13 +48,14 @@ class BlockPlan:
 
 
 @dataclass(frozen=True)
-class FewQueries:
-    """The step's few-query sequences, int32 [B] each (the compiled CPU kernel's input)."""
+class AttentionItems:
+    """Attention work items, int32 [N] each: a few-query sequence's step, or (build_plan's
+    prefill_tile) a tile of a prefill chunk's rows. The compiled CPU kernel's input."""
 
-    seq_rows: torch.Tensor  # row in block_tables (= index in the step)
+    seq_rows: torch.Tensor  # the sequence's row in block_tables (= its index in the step)
     q_starts: torch.Tensor  # first query row
     q_lens: torch.Tensor  # query rows (1 for a decode)
-    seq_lens: torch.Tensor  # context length, this step's tokens included
+    seq_lens: torch.Tensor  # context length up to the item's last query row
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class StepPlan:
     # Row of each new token's each head in a layer's K (or V) cache seen as
     # [num_blocks * kv_heads * block_size, head_dim]: [num_tokens * kv_heads], token-major.
     write_rows: torch.Tensor
-    few: FewQueries | None
+    items: AttentionItems | None
     blockwise: BlockPlan | None  # built only for backends that run `_blockwise`
     prefills: tuple[int, ...]  # sequences with more than MAX_BLOCKWISE_QUERIES query rows
 
@@ -70,15 +71,16 @@ class StepPlan:
 def build_plan(meta: AttentionMetadata, block_size: int, kv_heads: int,
                blockwise: bool = True, prefill_tile: int = 0) -> StepPlan:
     """blockwise: build the BlockPlan `_blockwise` reads. prefill_tile > 0: prefill chunks
-    join `few` as tiles of that many query rows (for a kernel that walks them like decodes:
-    a tile of rows [a, b) of a q-row chunk is a (b - a)-row step of a context shorter by
+    join the items as tiles of that many query rows (for a kernel that walks them like
+    decodes: rows [a, b) of a q-row chunk are a (b - a)-row step of a context shorter by
     q - b) instead of going to `prefills`."""
+    assert not (blockwise and prefill_tile), "the blockwise path takes no prefill tiles"
     starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     q_lens = [starts[i + 1] - starts[i] for i in range(meta.num_seqs)]
     few = [i for i, q in enumerate(q_lens) if 1 <= q <= MAX_BLOCKWISE_QUERIES]
     prefills = tuple(i for i, q in enumerate(q_lens) if q > MAX_BLOCKWISE_QUERIES)
     slots = meta.slot_mapping.long()
-    few_queries = plan = None
+    items = plan = None
     rows = [(i, starts[i], q_lens[i], lens[i]) for i in few]
     if prefill_tile:
         for i in prefills:
@@ -87,7 +89,7 @@ def build_plan(meta: AttentionMetadata, block_size: int, kv_heads: int,
                 rows.append((i, starts[i] + a, b - a, lens[i] - q_lens[i] + b))
         prefills = ()
     if rows:
-        few_queries = FewQueries(*(torch.tensor(v, dtype=torch.int32) for v in zip(*rows)))
+        items = AttentionItems(*(torch.tensor(v, dtype=torch.int32) for v in zip(*rows)))
     if few and blockwise:
         num_q = max(q_lens[i] for i in few)
         num_blocks = torch.tensor([-(-lens[i] // block_size) for i in few])
@@ -95,11 +97,11 @@ def build_plan(meta: AttentionMetadata, block_size: int, kv_heads: int,
         tables = meta.block_tables[torch.tensor(few), :width].long()
         listed = torch.arange(width).unsqueeze(0) < num_blocks.unsqueeze(1)  # [B, width]
         r = torch.arange(num_q)
-        q_len = few_queries.q_lens.long().unsqueeze(1)  # [B, 1]
+        q_len = items.q_lens.long().unsqueeze(1)  # [B, 1]
         r = torch.minimum(r.unsqueeze(0), q_len - 1)  # [B, Q]: padding repeats the last row
-        seen = few_queries.seq_lens.long().unsqueeze(1) - q_len + r + 1  # keys per row
+        seen = items.seq_lens.long().unsqueeze(1) - q_len + r + 1  # keys per row
         plan = BlockPlan(
-            rows=few_queries.q_starts.long().unsqueeze(1) + r,
+            rows=items.q_starts.long().unsqueeze(1) + r,
             blocks=tables[listed],
             seq_of_block=torch.arange(len(few)).repeat_interleave(num_blocks),
             padded_index=listed.flatten().nonzero().squeeze(1),
@@ -109,7 +111,7 @@ def build_plan(meta: AttentionMetadata, block_size: int, kv_heads: int,
     heads = torch.arange(kv_heads)
     write_rows = ((blocks.unsqueeze(1) * kv_heads + heads) * block_size
                   + offsets.unsqueeze(1)).flatten()
-    return StepPlan(write_rows, few_queries, plan, prefills)
+    return StepPlan(write_rows, items, plan, prefills)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -125,8 +127,8 @@ class TorchAttentionBackend(AttentionBackend):
     def attend(self, q, kv_cache, meta, scale):
         plan = self._plan(kv_cache, meta)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as q may not be
-        if plan.few is not None:
-            self._attend_few(q, out, kv_cache, meta, plan, scale)
+        if plan.items is not None:
+            self._attend_items(q, out, kv_cache, meta, plan, scale)
         starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         for i in plan.prefills:
             q_start, q_end, seq_len = starts[i], starts[i + 1], lens[i]
@@ -134,9 +136,9 @@ class TorchAttentionBackend(AttentionBackend):
                                           seq_len, scale)
         return out
 
-    def _attend_few(self, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
+    def _attend_items(self, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
                     meta: AttentionMetadata, plan: StepPlan, scale: float) -> None:
-        """Writes out's rows of the sequences in plan.few."""
+        """Writes out's rows of plan.items."""
         rows = plan.blockwise.rows
         out[rows] = _blockwise(q[rows], kv_cache, plan.blockwise, scale)
 

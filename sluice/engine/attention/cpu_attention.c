@@ -1,7 +1,8 @@
-/* Paged attention for few-query sequences (decodes, speculative verification) on the CPU.
+/* Paged attention on the CPU, read through the block table: decodes, speculative
+ * verification rows and prefill chunks (the caller splits a chunk into tiles of query rows).
  *
- * One work item is one (sequence, KV head): its query rows are the q_len new tokens times
- * the query heads sharing that KV head. The item walks the sequence's block table once,
+ * One work item is one (sequence or tile, KV head): its query rows are the q_len new tokens
+ * times the query heads sharing that KV head. The item walks the sequence's block table once,
  * reading each [block_size, head_dim] key and value tile in place (the cache is head-major
  * within a block, sluice/engine/attention/backend.py), with an online softmax:
  *
@@ -10,11 +11,14 @@
  *   l = l * exp(m - m') + sum p; acc = acc * exp(m - m') + p V.
  *   out = acc / l.
  *
+ * Scores: with few rows (decodes: the GQA group) a dot product per (row, key), reduced as a
+ * tree; with many (TRANSPOSE_ROWS on, prefill tiles) the key tile is transposed once and
+ * four rows at a time take head_dim broadcast multiply-adds over the block's keys.
  * Everything is accumulated in float32; bfloat16 is read by widening and written with
- * round-to-nearest-even, as torch casts. Loops are shaped for the compiler's vectoriser:
- * scores vectorise over a block's keys (K tile transposed once per block), values over
- * head_dim, exp is a polynomial (Cephes' expf: ~1 ulp) that vectorises where libm's
- * does not. Items are spread over OpenMP threads (torch's own libgomp once torch is loaded).
+ * round-to-nearest-even, as torch casts. Loops are shaped for the compiler's vectoriser
+ * (constant trip counts for the common shapes, see attend_dispatch); exp is a polynomial
+ * (Cephes' expf: ~1 ulp) that vectorises where libm's does not. Items are spread over
+ * OpenMP threads (torch's own libgomp once torch is loaded).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -259,7 +263,7 @@ static void attend_dispatch(const void *q, void *out, const void *k_cache, const
 }
 
 /* Returns 0, or -1 for shapes this kernel does not take (the caller checks them first). */
-int sluice_paged_decode(const void *q, void *out, const void *k_cache, const void *v_cache,
+int sluice_paged_attention(const void *q, void *out, const void *k_cache, const void *v_cache,
                         const int32_t *block_tables, int64_t table_stride,
                         const int32_t *seq_rows, const int32_t *q_starts, const int32_t *q_lens,
                         const int32_t *seq_lens, int num_seqs, int num_heads, int kv_heads,
