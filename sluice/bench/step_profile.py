@@ -13,6 +13,10 @@ timed by wrapping the engine's own methods (no engine code is instrumented):
 
 `--profile-ops N` then runs `torch.profiler` over N more steps and prints the top ops by
 self CPU time per step.
+
+`--prefill-tokens N` also times prefill: a step that prefills one N-token prompt alone
+(before the batch is filled; three prompts, mean), and a mixed step where such a prompt
+joins the running decode batch (after the decode timing; three, mean).
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=20, help="decode steps timed")
     p.add_argument("--profile-ops", type=int, default=5,
                    help="decode steps run under torch.profiler afterwards (0: none)")
+    p.add_argument("--prefill-tokens", type=int, default=0,
+                   help="also time prefill steps of prompts this long, alone and beside "
+                        "the decode batch (0: none)")
     p.add_argument("--output-json", default=None)
 
 
@@ -102,6 +109,27 @@ def time_phases(llm, steps: int) -> dict[str, float]:
     return phases
 
 
+def time_prefills(llm, num_tokens: int, seed: int, count: int = 3) -> float:
+    """Mean milliseconds of a step that schedules one new `num_tokens` prompt (whole: the
+    prompt must fit the step's token budget), beside whatever is running."""
+    from sluice.engine.sampling_params import SamplingParams
+
+    budget = llm.scheduler.config.max_num_batched_tokens - len(llm.scheduler.running)
+    assert num_tokens <= budget, f"--prefill-tokens above the step's budget ({budget})"
+    rng, vocab = random.Random(seed), llm.model.config.vocab_size
+    total = 0.0
+    for i in range(count):
+        rid = f"prefill-{seed}-{i}"
+        llm.add_request(rid, [rng.randrange(vocab) for _ in range(num_tokens)],
+                        SamplingParams(max_tokens=1, temperature=0))
+        t0 = time.perf_counter()
+        llm.step()
+        total += time.perf_counter() - t0
+        while any(r.request_id == rid for r in llm.scheduler.running):
+            llm.step()  # its last token, sampled with the decodes' next step
+    return total * 1e3 / count
+
+
 def profile_ops(llm, steps: int, top: int = 12) -> list[tuple[str, float]]:
     """(op, self CPU ms per step) for the `top` most expensive ops."""
     from torch.profiler import ProfilerActivity, profile
@@ -121,6 +149,9 @@ def main(args: argparse.Namespace) -> int:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     llm = LLMEngine(engine_config(args))
+    if args.prefill_tokens:
+        time_prefills(llm, args.prefill_tokens, seed=-1, count=1)  # first-call allocations
+        prefill_alone = time_prefills(llm, args.prefill_tokens, seed=-2)
     fill_batch(llm, args)
     llm.step()  # one untimed decode step: first-call allocations
     context = sum(r.num_tokens for r in llm.scheduler.running) / args.batch_size
@@ -135,6 +166,12 @@ def main(args: argparse.Namespace) -> int:
           f"{llm.dtype}, {torch.get_num_threads()} threads, {backend}")
     for k in order:
         print(f"  {k:>9}: {phases.get(k, 0.0):8.2f} ms")
+    if args.prefill_tokens:
+        mixed = time_prefills(llm, args.prefill_tokens, seed=-3)
+        result.update(prefill_tokens=args.prefill_tokens, prefill_alone_ms=prefill_alone,
+                      prefill_with_batch_ms=mixed)
+        print(f"  a {args.prefill_tokens}-token prefill: {prefill_alone:.2f} ms alone, "
+              f"{mixed:.2f} ms beside the {args.batch_size} decodes")
     if args.profile_ops:
         ops = profile_ops(llm, args.profile_ops)
         result["ops_ms"] = dict(ops)
