@@ -94,8 +94,8 @@ static inline void prefetch_tile(const void *k_cache, const void *v_cache, int d
 /* Folds one block's scores sr[0:n] of one query row into its running max m, sum l and
  * weighted values ar, vf holding the block's value rows. */
 static inline __attribute__((always_inline)) void softmax_update(
-        float *restrict sr, float *restrict ar, const float *restrict vf, float *m, float *l, const int n,
-        const int head_dim) {
+        float *restrict sr, float *restrict ar, const float *restrict vf, float *m, float *l,
+        const int n, const int head_dim) {
     float block_max = sr[0];
     for (int t = 1; t < n; t++) block_max = sr[t] > block_max ? sr[t] : block_max;
     const float new_max = block_max > *m ? block_max : *m;
