@@ -25,9 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument("--attention-backend", default="auto",
                    choices=["auto", "cpu", "torch", "triton"],
-                   help="auto: Triton on CUDA; on CPU the compiled paged decode kernel (cpu, "
-                        "built with gcc at first use) with SDPA prefill, else torch (plain "
-                        "PyTorch, the reference)")
+                   help="auto: Triton on CUDA; on CPU the compiled paged attention kernel "
+                        "(cpu: built with gcc at first use), else torch (plain PyTorch, the "
+                        "reference)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, default=16)

@@ -37,7 +37,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                           prefill_tile=PREFILL_TILE)
 
     def _attend_items(self, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: AttentionMetadata, plan: StepPlan, scale: float) -> None:
+                      meta: AttentionMetadata, plan: StepPlan, scale: float) -> None:
         if plan.blockwise is not None:
             super()._attend_items(q, out, kv_cache, meta, plan, scale)
             return

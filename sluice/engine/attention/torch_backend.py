@@ -1,5 +1,5 @@
-"""Paged attention in plain PyTorch: the CPU backend, and the reference the GPU kernels are
-tested against.
+"""Paged attention in plain PyTorch: the reference the compiled CPU kernel and the GPU
+kernels are tested against, and the CPU path where the kernel cannot be built.
 
 Sequences with few query tokens (decodes, and the k+1 rows a speculative step verifies:
 up to MAX_BLOCKWISE_QUERIES) are batched into one blockwise computation that reads each
@@ -137,7 +137,7 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def _attend_items(self, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: AttentionMetadata, plan: StepPlan, scale: float) -> None:
+                      meta: AttentionMetadata, plan: StepPlan, scale: float) -> None:
         """Writes out's rows of plan.items."""
         rows = plan.blockwise.rows
         out[rows] = _blockwise(q[rows], kv_cache, plan.blockwise, scale)
