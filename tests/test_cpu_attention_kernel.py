@@ -102,3 +102,32 @@ def test_extreme_scores_stay_finite_and_nan_propagates(lib):
     cache[1, table[2], 0, 0, 0] = float("nan")
     meta.plan = None
     assert CpuAttentionBackend(lib).attend(q, cache, meta, 1.0).isnan().any()
+
+
+def test_no_usable_compiler_or_cache_folder_keeps_the_pytorch_path(tmp_path, monkeypatch):
+    """A broken $CC, a compiler that fails, or only cache folders another user may write
+    to: load() is None (logged), the engine builds the PyTorch backend, and `--attention-
+    backend cpu` refuses to start."""
+    from sluice.engine.llm_engine import LLMEngine
+
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # world-writable, as /tmp is: never a source of code to load
+    cases = [({"CC": str(tmp_path / "no-such-cc")}, None),
+             ({"CC": "false"}, None),
+             ({"XDG_CACHE_HOME": str(shared)}, [shared / "sluice" / "kernels"])]
+    for env, dirs in cases:
+        cpu_kernel.load.cache_clear()
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                m.setenv(k, v)
+            if dirs is not None:
+                (shared / "sluice" / "kernels").mkdir(parents=True, exist_ok=True)
+                (shared / "sluice" / "kernels").chmod(0o777)
+                m.setattr(cpu_kernel, "_cache_dirs", lambda d=dirs: d)
+            assert cpu_kernel.load() is None, env
+            assert type(LLMEngine._cpu_backend(required=False)) is TorchAttentionBackend
+            with pytest.raises(RuntimeError, match="could not be built"):
+                LLMEngine._cpu_backend(required=True)
+    cpu_kernel.load.cache_clear()
+    assert cpu_kernel.load() is not None

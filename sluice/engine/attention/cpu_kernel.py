@@ -2,9 +2,10 @@
 
 Compiled once per source, compiler and CPU (`-march=native`: the cache key includes the
 CPU's model and flags, so an image moved to another machine recompiles instead of faulting)
-into `$XDG_CACHE_HOME/sluice/kernels`, else a per-user temporary folder. Engines starting
-together race safely: each compiles to a private name and renames it into place. With no
-compiler, or a failed build, `load()` returns None and the caller keeps the PyTorch path.
+into `$XDG_CACHE_HOME/sluice/kernels`, else a per-user temporary folder; either is used only
+when no other user can write to it. Engines starting together race safely: each compiles
+to a private name and renames it into place. With no compiler, or a failed build, `load()`
+returns None and the caller keeps the PyTorch path.
 """
 
 from __future__ import annotations
@@ -57,17 +58,34 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 
+def _private(folder: Path) -> bool:
+    """True when only this user can write to `folder` (created 0700 if missing): a shared
+    temporary folder must not let another user plant the library this process loads."""
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = folder.stat()
+    except OSError:
+        return False
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
 def _build(compiler: str) -> Path | None:
-    version = subprocess.run([compiler, "--version"], check=False, capture_output=True,
-                             text=True).stdout
+    try:
+        version = subprocess.run([compiler, "--version"], check=False, capture_output=True,
+                                 text=True).stdout
+    except OSError as exc:
+        log.warning("C compiler %s unusable (%s); using the PyTorch attention path",
+                    compiler, exc)
+        return None
     key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(_flags()),
                                     _cpu_identity()]).encode()).hexdigest()[:16]
     for folder in _cache_dirs():
+        if not _private(folder):
+            continue
         target = folder / f"cpu_attention-{key}.so"
         if target.exists():
             return target
         try:
-            folder.mkdir(parents=True, exist_ok=True)
             fd, partial = tempfile.mkstemp(dir=folder, suffix=".so.partial")
             os.close(fd)
         except OSError:
@@ -81,7 +99,8 @@ def _build(compiler: str) -> Path | None:
             return None
         os.replace(partial, target)
         return target
-    log.warning("no writable cache folder for the CPU attention kernel; using the PyTorch path")
+    log.warning("no private, writable cache folder for the CPU attention kernel (%s); using "
+                "the PyTorch path", ", ".join(str(f) for f in _cache_dirs()))
     return None
 
 
