@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sluice.engine import native
 from sluice.engine.attention import cpu_kernel
 from sluice.engine.attention.backend import AttentionMetadata, kv_cache_shape
 from sluice.engine.attention.cpu_backend import CpuAttentionBackend
@@ -124,7 +125,7 @@ def test_no_usable_compiler_or_cache_folder_keeps_the_pytorch_path(tmp_path, mon
             if dirs is not None:
                 (shared / "sluice" / "kernels").mkdir(parents=True, exist_ok=True)
                 (shared / "sluice" / "kernels").chmod(0o777)
-                m.setattr(cpu_kernel, "_cache_dirs", lambda d=dirs: d)
+                m.setattr(native, "_cache_dirs", lambda d=dirs: d)
             assert cpu_kernel.load() is None, env
             assert type(LLMEngine._cpu_backend(required=False)) is TorchAttentionBackend
             with pytest.raises(RuntimeError, match="could not be built"):
