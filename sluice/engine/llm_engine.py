@@ -64,6 +64,8 @@ class LLMEngine:
         choice = config.attention_backend
         use_triton = choice == "triton" or (choice == "auto" and self.device.type == "cuda")
         backend = TorchAttentionBackend()
+        if choice == "cpu" and self.device.type != "cpu":
+            raise ValueError(f"--attention-backend cpu runs on the CPU, not {self.device}")
         if choice == "cpu" or (choice == "auto" and self.device.type == "cpu"):
             backend = self._cpu_backend(required=choice == "cpu")
         if use_triton:  # Triton paged attention; imported lazily (CPU installs need no Triton)

@@ -79,9 +79,9 @@ def run_engine_core(spec: CoreSpec) -> None:
     # decode step took 640-960 ms spinning and 180-240 ms sleeping (docs/benchmarks.md).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # oneDNN keeps a compiled primitive per linear shape, and every step with a new token
-    # count adds five (qkv, o, gate_up, down, lm_head): at its default capacity (1,024) an
-    # engine's RSS grew by ~170 MiB over 3,200 requests and was still growing; at 256 it
-    # levels off after ~1,200 (+66 MiB). The recurring decode shapes stay cached (LRU); a
+    # count adds five (qkv, o, gate_up, down, lm_head): at its default capacity (1,024) a
+    # tiny-model engine's RSS grew by ~170 MiB over 3,200 requests and was still growing; at
+    # 256, +66 MiB, level from ~1,200. The recurring decode shapes stay cached (LRU); a
     # re-created primitive costs ~0.3 ms (docs/benchmarks.md, soak).
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")
     logging.basicConfig(level=spec.log_level.upper(),
