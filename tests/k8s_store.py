@@ -211,7 +211,15 @@ class Store:
                         "%Y-%m-%dT%H:%M:%SZ"))
         self._put(key, obj)
         self._emit("ADDED", kind, obj)
+        refs = meta.get("ownerReferences") or ()
+        if refs and not any(self._exists(r.get("uid")) for r in refs):
+            # the garbage collector deletes a dependent whose owners are all gone, also
+            # one created after they went (a controller's pass that raced the deletion)
+            self.delete(kind, meta.get("namespace"), meta["name"])
         return copy.deepcopy(obj)
+
+    def _exists(self, uid: str | None) -> bool:
+        return any(o["metadata"].get("uid") == uid for o in self.objects.values())
 
     def write(self, kind: Kind, ns: str | None, name: str, subresource: str | None,
               new: Obj, expected_rv: str | None) -> Obj:

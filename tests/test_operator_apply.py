@@ -17,11 +17,15 @@ from sluice.operator.spec import PoolSpec
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BODY = yaml.safe_load((ROOT / "charts/sluice/examples/pool-cpu.yaml").read_text())
-BODY["metadata"]["uid"] = "pool-uid"
 
 
-def _deployment(resources=None):
-    body = copy.deepcopy(BODY)
+async def _owner(client) -> dict:
+    """The pool the children belong to (the API server collects those of an absent owner)."""
+    return await client.create(kube.POOLS, "default", BODY)
+
+
+def _deployment(owner, resources=None):
+    body = copy.deepcopy(owner)
     if resources:
         body["spec"]["resources"] = resources
     return next(m for m in render_pool(PoolSpec.from_body(body)) if m["kind"] == "Deployment")
@@ -31,21 +35,23 @@ def test_apply_is_idempotent_and_repairs_drift():
     async def scenario():
         async with cluster() as (_api, server):
             client = kube.KubeClient.from_connection(connection(server))
+            pool = await _owner(client)
+            uid = pool["metadata"]["uid"]
             memo: apply.AppliedMemo = {}
-            desired = _deployment()
-            assert (await apply.apply_child(client, desired, "pool-uid", memo))[0] == "created"
-            assert (await apply.apply_child(client, desired, "pool-uid", memo))[0] == "unchanged"
-            assert (await apply.apply_child(client, desired, "pool-uid", {}))[0] == "unchanged"
+            desired = _deployment(pool)
+            assert (await apply.apply_child(client, desired, uid, memo))[0] == "created"
+            assert (await apply.apply_child(client, desired, uid, memo))[0] == "unchanged"
+            assert (await apply.apply_child(client, desired, uid, {}))[0] == "unchanged"
             # a hand edit of the spec bumps the generation: replaced
             live = await client.get(kube.DEPLOYMENTS, "default", "smollm2-serve")
             live["spec"]["template"]["spec"]["containers"][0]["env"].append(
                 {"name": "EXTRA", "value": "1"})
             await client.replace(kube.DEPLOYMENTS, "default", "smollm2-serve", live)
-            assert (await apply.apply_child(client, desired, "pool-uid", memo))[0] == "updated"
+            assert (await apply.apply_child(client, desired, uid, memo))[0] == "updated"
             # a hand edit of our labels (no generation bump) is also repaired
             await client.patch(kube.DEPLOYMENTS, "default", "smollm2-serve",
                                {"metadata": {"labels": {"sluice.dev/role": "x"}}})
-            assert (await apply.apply_child(client, desired, "pool-uid", memo))[0] == "updated"
+            assert (await apply.apply_child(client, desired, uid, memo))[0] == "updated"
             await client.close()
     asyncio.run(scenario())
 
@@ -54,9 +60,11 @@ def test_server_normalised_fields_do_not_cause_a_replace_loop():
     async def scenario():
         async with cluster() as (api, server):
             client = kube.KubeClient.from_connection(connection(server))
+            pool = await _owner(client)
+            uid = pool["metadata"]["uid"]
             memo: apply.AppliedMemo = {}
-            desired = _deployment({"requests": {"cpu": "1000m"}})
-            await apply.apply_child(client, desired, "pool-uid", memo)
+            desired = _deployment(pool, {"requests": {"cpu": "1000m"}})
+            await apply.apply_child(client, desired, uid, memo)
             # the API server canonicalises quantities: 1000m -> 1
             def normalise(store):
                 kind = api.kind("deployments")
@@ -66,7 +74,7 @@ def test_server_normalised_fields_do_not_cause_a_replace_loop():
             await api.mutate(normalise)
             writes = len([e for e in api.store.log if e.kind.plural == "deployments"])
             for _ in range(3):
-                action, _ = await apply.apply_child(client, desired, "pool-uid", memo)
+                action, _ = await apply.apply_child(client, desired, uid, memo)
                 assert action == "unchanged"
             assert len([e for e in api.store.log if e.kind.plural == "deployments"]) == writes
             await client.close()
@@ -77,7 +85,9 @@ def test_a_concurrent_writer_conflict_is_retried_with_a_fresh_read():
     async def scenario():
         async with cluster() as (_api, server):
             client = kube.KubeClient.from_connection(connection(server))
-            await apply.apply_child(client, _deployment(), "pool-uid")
+            pool = await _owner(client)
+            uid = pool["metadata"]["uid"]
+            await apply.apply_child(client, _deployment(pool), uid)
             real_replace = client.replace
             raced = []
 
@@ -90,7 +100,7 @@ def test_a_concurrent_writer_conflict_is_retried_with_a_fresh_read():
 
             client.replace = replace_after_a_race
             action, live = await apply.apply_child(
-                client, _deployment({"limits": {"memory": "8Gi"}}), "pool-uid")
+                client, _deployment(pool, {"limits": {"memory": "8Gi"}}), uid)
             assert action == "updated" and raced
             assert live["metadata"]["annotations"]["other"] == "writer"  # not clobbered
             assert live["spec"]["template"]["spec"]["containers"][0]["resources"][

@@ -101,6 +101,16 @@ async def _scenario() -> None:
             except kube.NotFound:
                 pass
         assert (await client.get(kube.SERVICES, "default", "other"))
+        # a dependent created after its owner went (a pass that raced the deletion) goes too
+        await client.create(kube.SERVICES, "default", {"metadata": {
+            "name": "late-child", "ownerReferences": [{
+                "uid": owner, "name": "smollm2", "kind": "InferencePool",
+                "apiVersion": "sluice.dev/v1alpha1", "controller": True}]}})
+        try:
+            await client.get(kube.SERVICES, "default", "late-child")
+            raise AssertionError("a dependent of a deleted owner survived")
+        except kube.NotFound:
+            pass
 
         # watches resume from a resourceVersion
         since = api.store.rv

@@ -47,7 +47,7 @@ def test_deletion_without_redis_completes_even_after_the_operator_is_gone():
                 assert not _pool(api)["metadata"].get("finalizers")
             # the operator uninstalled: the pool still goes, children with it
             await client.delete(kube.POOLS, NS, NAME)
-            await eventually(lambda: _gone(api), 3, "pool deleted, children collected")
+            await eventually(lambda: _gone(api), 10, "pool deleted, children collected")
             await client.close()
     run(scenario)
 
@@ -64,7 +64,7 @@ def test_a_finalizer_left_by_an_earlier_configuration_is_removed():
                 await eventually(lambda: not _pool(api)["metadata"].get("finalizers"), 5,
                                  "finalizer removed")
                 await client.delete(kube.POOLS, NS, NAME)
-                await eventually(lambda: _gone(api), 3, "deleted")
+                await eventually(lambda: _gone(api), 10, "deleted")
             await client.close()
     run(scenario)
 

@@ -51,7 +51,9 @@ class KVEventPublisher:
         """`security`: CURVE on both sockets, only the pickers' key admitted (else
         plain sockets, as vLLM's: keep them private by network policy)."""
         assert buffer_steps > 0 and max_queue_size > 0
-        self._ctx = zmq.Context.instance()
+        # its own context: a ZAP handler is one per context, and a closed one's inproc
+        # address is released only once the context's reaper gets to it
+        self._ctx = zmq.Context()
         self._auth = security.authenticator(self._ctx) if security else None
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
@@ -105,6 +107,7 @@ class KVEventPublisher:
             self._replay.close(linger=0)
         if self._auth is not None:
             self._auth.stop()
+        self._ctx.term()
 
     def _run(self) -> None:
         while True:
