@@ -78,11 +78,15 @@ def run_engine_core(spec: CoreSpec) -> None:
     # parallel region: with the API process (or a neighbour) taking a core, a batch-32
     # decode step took 640-960 ms spinning and 180-240 ms sleeping (docs/benchmarks.md).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    # oneDNN keeps a compiled primitive per linear shape, and every step with a new token
-    # count adds five (qkv, o, gate_up, down, lm_head): at its default capacity (1,024) a
-    # tiny-model engine's RSS grew by ~170 MiB over 3,200 requests and was still growing; at
-    # 256, +66 MiB, level from ~1,200. The recurring decode shapes stay cached (LRU); a
-    # re-created primitive costs ~0.3 ms (docs/benchmarks.md, soak).
+    # Compiled oneDNN primitives are cached per shape, and a step with a new token count
+    # adds one per linear (qkv, o, gate_up, down, lm_head). ideep's cache behind the packed
+    # linears (LRU_CACHE_CAPACITY, default 1,024) held ~300 MiB once full and fragmented the
+    # heap: a core's RSS grew 3.07 -> 3.42 GiB over 600 requests arriving one by one; at 32
+    # it stayed at 3.07 GiB. A miss re-creates a primitive in 5-60 us, against a 15-60 ms
+    # step, and a decode step reuses the last step's shapes (docs/benchmarks.md, soak).
+    # oneDNN's own cache (default 1,024) serves the unpacked ops: at 256 a tiny-model
+    # engine's RSS levelled at +66 MiB rather than +170 MiB and rising.
+    os.environ.setdefault("LRU_CACHE_CAPACITY", "32")
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")
     logging.basicConfig(level=spec.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
