@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -91,11 +93,13 @@ def test_kernel_plan_skips_the_blockwise_tensors(lib):
     assert meta.plan.blockwise is not None
 
 
-def test_extreme_scores_stay_finite_and_nan_propagates(lib):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extreme_scores_stay_finite_and_nan_propagates(lib, dtype):
     """Scores far apart (one key dominating by ~1e4) underflow the rest to 0 without NaN or
-    inf; a NaN in the cache shows in the output instead of being masked away."""
+    inf; a NaN in the cache shows in the output instead of being masked away (bf16 at this
+    shape takes the AVX-512 BF16 path where the CPU has one)."""
     gen = torch.Generator().manual_seed(4)
-    q, cache, meta = _step(gen, [40], [1], 16, 1, 1, 64, torch.float32)
+    q, cache, meta = _step(gen, [40], [1], 16, 1, 1, 64, dtype)
     table = meta.block_tables[0].tolist()
     cache[0, table[1], 0, 3] = q[0, 0] * 300  # key 19 scores ~1e4 above the rest
     out = CpuAttentionBackend(lib).attend(q, cache, meta, 1.0)
@@ -132,3 +136,20 @@ def test_no_usable_compiler_or_cache_folder_keeps_the_pytorch_path(tmp_path, mon
                 LLMEngine._cpu_backend(required=True)
     cpu_kernel.load.cache_clear()
     assert cpu_kernel.load() is not None
+
+
+def test_an_edited_header_builds_a_new_library(tmp_path, monkeypatch):
+    """The build cache's key covers the local headers a source includes, so an engine never
+    loads a library built from an older header."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    source, header = tmp_path / "k.c", tmp_path / "k.h"
+    source.write_text('#include "k.h"\nint value(void) { return VALUE; }\n')
+    flags = ["-O1", "-fPIC", "-shared"]
+    built = []
+    for value in (1, 2):
+        header.write_text(f"#define VALUE {value}\n")
+        path = native.build(source, flags)
+        assert path is not None
+        built.append(path)
+        assert ctypes.CDLL(str(path)).value() == value
+    assert built[0] != built[1]

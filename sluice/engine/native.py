@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -56,8 +57,12 @@ def _cache_dirs() -> list[Path]:
             Path(tempfile.gettempdir()) / f"sluice-kernels-{os.getuid()}"]
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+def _texts(source: Path) -> list[str]:
+    """The source and the local headers it includes (`#include "name"`, next to it): an
+    edited header must not load a library built from the old one."""
+    text = source.read_text()
+    names = re.findall(r'^\s*#\s*include\s*"([^"]+)"', text, flags=re.MULTILINE)
+    return [text, *((source.parent / name).read_text() for name in names)]
 
 
 def _private(folder: Path) -> bool:
@@ -79,7 +84,7 @@ def _build(compiler: str, source: Path, flags: list[str]) -> Path | None:
         log.warning("C compiler %s unusable (%s); using the PyTorch path for %s",
                     compiler, exc, source.name)
         return None
-    key = hashlib.sha256("\0".join([source.read_text(), compiler, version, " ".join(flags),
+    key = hashlib.sha256("\0".join([*_texts(source), compiler, version, " ".join(flags),
                                     _cpu_identity()]).encode()).hexdigest()[:16]
     for folder in _cache_dirs():
         if not _private(folder):

@@ -13,7 +13,8 @@
  *
  * Scores: with few rows (decodes: the GQA group) a dot product per (row, key), reduced as a
  * tree; with many (TRANSPOSE_ROWS on, prefill tiles) the key tile is transposed once and
- * four rows at a time take head_dim broadcast multiply-adds over the block's keys.
+ * four rows at a time take head_dim broadcast multiply-adds over the block's keys. On
+ * AVX512_BF16 the commonest decode shape has intrinsics (cpu_attention_bf16.h).
  * Everything is accumulated in float32; bfloat16 is read by widening and written with
  * round-to-nearest-even, as torch casts. Loops are shaped for the compiler's vectoriser
  * (constant trip counts for the common shapes, see attend_dispatch); exp is a polynomial
@@ -149,6 +150,10 @@ static inline __attribute__((always_inline)) void score_rows(
     }
 }
 
+#if defined(__AVX512BF16__)
+#include "cpu_attention_bf16.h"
+#endif
+
 /* One (sequence, KV head). q and out: [num_tokens, num_heads, head_dim]; k_cache and
  * v_cache: [num_blocks, kv_heads, block_size, head_dim]; table: the sequence's blocks.
  * Always inlined so that the dispatcher's constant head_dim and block_size become constant
@@ -183,10 +188,21 @@ static inline __attribute__((always_inline)) void attend_item(
         const int first = b * block_size;
         const int in_block = seq_len - first < block_size ? seq_len - first : block_size;
         const int64_t tile = (((int64_t)table[b] * kv_heads + kv_head) * block_size) * head_dim;
-        if (b + 1 < num_blocks)
+        /* The next block's tiles. The first KV head's item takes every head's (a block's keys,
+         * and its values, are one run across heads), the others their own, by then cached:
+         * one long run keeps more lines in flight than three short ones. */
+        if (b + 1 < num_blocks) {
+            const int whole = kv_head == 0;
             prefetch_tile(k_cache, v_cache, dtype,
                           (((int64_t)table[b + 1] * kv_heads + kv_head) * block_size) * head_dim,
-                          block_size * head_dim);
+                          (whole ? kv_heads : 1) * block_size * head_dim);
+        }
+#if defined(__AVX512BF16__)
+        if (rows < TRANSPOSE_ROWS && dtype == DTYPE_BF16 && head_dim == 64 && block_size == 16)
+            scores_bf16_64x16((const uint16_t *)q, (const uint16_t *)k_cache + tile, s, rows,
+                              q_start, group, kv_head, num_heads, scale);
+        else
+#endif
         if (rows < TRANSPOSE_ROWS) {
             /* Few rows: a dot product per (row, key), reduced as a tree. */
             for (int t = 0; t < in_block; t++) {
@@ -216,6 +232,13 @@ static inline __attribute__((always_inline)) void attend_item(
                 score_rows(qf + r0 * head_dim, kt, s + r0 * block_size,
                            rows - r0 < 4 ? rows - r0 : 4, head_dim, block_size);
         }
+#if defined(__AVX512BF16__)
+        if (rows <= 4 && dtype == DTYPE_BF16 && head_dim == 64 && block_size == 16) {
+            values_bf16_64x16(s, (const uint16_t *)v_cache + tile, acc, m, l,
+                              seq_len - q_len + 1 - first, group, in_block, rows);
+            continue;
+        }
+#endif
         for (int t = 0; t < in_block; t++)
             load_row(v_cache, dtype, tile + (int64_t)t * head_dim, vf + t * head_dim, head_dim);
         for (int r = 0; r < rows; r++) {

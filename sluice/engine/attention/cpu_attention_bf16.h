@@ -1,0 +1,124 @@
+/* The AVX-512 BF16 paths of cpu_attention.c for its commonest shape (bf16, head_dim 64,
+ * block_size 16) and few query rows (decodes): the key tile is read as stored by the bf16
+ * dot-product instruction, and each value row is widened once for all of a GQA group's
+ * rows. Included by cpu_attention.c after exp_poly, only where the compiler targets
+ * AVX512_BF16 (-march=native on such a CPU); elsewhere the portable loops run.
+ */
+#include <immintrin.h>
+
+/* Lane t of the result: the sum of a[t]'s 16 lanes (a 16 x 16 transpose folded into adds). */
+static inline __m512 hsum16(const __m512 *a) {
+    __m512 b[8], c[4];
+    for (int i = 0; i < 8; i++)  /* per 128-bit lane: pairs of a[2i], a[2i+1] */
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {  /* per 128-bit lane: that lane's sums of a[4i..4i+3] */
+        const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                                    _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
+    const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88),
+                                    _mm512_shuffle_f32x4(c[2], c[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xdd));
+}
+
+/* One bf16 query row (64 dims) against a 16-key tile, by the bf16 dot-product instruction:
+ * bf16 products are exact in float32, summed in float32 (denormal inputs read as zero).
+ * Keys past the sequence's end get scores too; the caller never reads them. */
+static inline void score_row_bf16_64x16(const uint16_t *qrow, const uint16_t *ktile, float scale,
+                                        float *srow) {
+    const __m512bh q0 = (__m512bh)_mm512_loadu_si512(qrow);
+    const __m512bh q1 = (__m512bh)_mm512_loadu_si512(qrow + 32);
+    __m512 acc[16];
+    for (int t = 0; t < 16; t++) {
+        const __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), q0,
+                                          (__m512bh)_mm512_loadu_si512(ktile + t * 64));
+        acc[t] = _mm512_dpbf16_ps(a, q1, (__m512bh)_mm512_loadu_si512(ktile + t * 64 + 32));
+    }
+    _mm512_storeu_ps(srow, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)));
+}
+
+static inline __m512 widen16(const uint16_t *src) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16));
+}
+
+/* exp_poly on 16 lanes (NaN stays NaN: max keeps its second operand when either is NaN). */
+static inline __m512 exp_poly16(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* softmax_update for `rows` (<= 4, a decode's GQA group) rows over one 16-key bf16 tile:
+ * each value row is widened once for all rows, whose accumulators stay in registers.
+ * visible0: keys the first row sees in this block (row r sees visible0 + r / group). */
+static inline __attribute__((always_inline)) void softmax_values_bf16_64x16(
+        float *restrict s, const uint16_t *restrict vtile, float *restrict acc, float *m,
+        float *l, int visible0, int group, int in_block, const int rows) {
+    __m512 a[4][4];
+    for (int r = 0; r < rows; r++) {
+        int visible = visible0 + r / group;
+        visible = visible < 0 ? 0 : visible > in_block ? in_block : visible;
+        const __mmask16 seen = (__mmask16)((1u << visible) - 1u);
+        const __m512 sr = _mm512_loadu_ps(s + r * 16);
+        const float block_max = visible ? _mm512_mask_reduce_max_ps(seen, sr) : m[r];
+        const float new_max = block_max > m[r] ? block_max : m[r];
+        const float correction = exp_poly(m[r] - new_max);
+        const __m512 p = _mm512_maskz_mov_ps(seen, exp_poly16(
+            _mm512_sub_ps(sr, _mm512_set1_ps(new_max))));
+        _mm512_storeu_ps(s + r * 16, p);
+        m[r] = new_max;
+        l[r] = l[r] * correction + _mm512_reduce_add_ps(p);
+        for (int j = 0; j < 4; j++)
+            a[r][j] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * 64 + j * 16),
+                                    _mm512_set1_ps(correction));
+    }
+    for (int t = 0; t < in_block; t++) {
+        const __m512 v0 = widen16(vtile + t * 64), v1 = widen16(vtile + t * 64 + 16),
+                     v2 = widen16(vtile + t * 64 + 32), v3 = widen16(vtile + t * 64 + 48);
+        for (int r = 0; r < rows; r++) {
+            const __m512 pt = _mm512_set1_ps(s[r * 16 + t]);
+            a[r][0] = _mm512_fmadd_ps(pt, v0, a[r][0]);
+            a[r][1] = _mm512_fmadd_ps(pt, v1, a[r][1]);
+            a[r][2] = _mm512_fmadd_ps(pt, v2, a[r][2]);
+            a[r][3] = _mm512_fmadd_ps(pt, v3, a[r][3]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + r * 64 + j * 16, a[r][j]);
+}
+
+/* Scores of a few-row item's rows (q: [num_tokens, num_heads, 64]) against one key tile. */
+static inline void scores_bf16_64x16(const uint16_t *q, const uint16_t *ktile, float *s, int rows,
+                                     int q_start, int group, int kv_head, int num_heads,
+                                     float scale) {
+    for (int r = 0; r < rows; r++) {
+        const int token = q_start + r / group, head = kv_head * group + r % group;
+        score_row_bf16_64x16(q + ((int64_t)token * num_heads + head) * 64, ktile, scale,
+                             s + r * 16);
+    }
+}
+
+/* softmax_values_bf16_64x16 with a constant row count, so the accumulators are registers. */
+static inline void values_bf16_64x16(float *s, const uint16_t *vtile, float *acc, float *m,
+                                     float *l, int visible0, int group, int in_block, int rows) {
+    switch (rows) {
+    case 1: softmax_values_bf16_64x16(s, vtile, acc, m, l, visible0, group, in_block, 1); break;
+    case 2: softmax_values_bf16_64x16(s, vtile, acc, m, l, visible0, group, in_block, 2); break;
+    case 3: softmax_values_bf16_64x16(s, vtile, acc, m, l, visible0, group, in_block, 3); break;
+    default: softmax_values_bf16_64x16(s, vtile, acc, m, l, visible0, group, in_block, 4);
+    }
+}
