@@ -25,13 +25,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../bf16.h"
+
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
 #define MAX_BLOCK 256
 #define MAX_DIM 256
 /* From this many query rows per (sequence, KV head) on, keys are transposed per block. */
 #define TRANSPOSE_ROWS 16
 
-typedef union { uint32_t u; float f; } bits32;
 
 static inline float exp_poly(float x) {
     /* x <= 0 (a score minus the running max); below -87 the result underflows anyway. */
@@ -54,11 +55,7 @@ static inline float exp_poly(float x) {
 static inline void load_row(const void *base, int dtype, int64_t index, float *dst, int n) {
     if (dtype == DTYPE_BF16) {
         const uint16_t *src = (const uint16_t *)base + index;
-        for (int i = 0; i < n; i++) {
-            bits32 v;
-            v.u = (uint32_t)src[i] << 16;
-            dst[i] = v.f;
-        }
+        for (int i = 0; i < n; i++) dst[i] = widen(src[i]);
     } else {
         memcpy(dst, (const float *)base + index, (size_t)n * sizeof(float));
     }
@@ -67,14 +64,7 @@ static inline void load_row(const void *base, int dtype, int64_t index, float *d
 static inline void store_row(void *base, int dtype, int64_t index, const float *src, int n) {
     if (dtype == DTYPE_BF16) {
         uint16_t *dst = (uint16_t *)base + index;
-        for (int i = 0; i < n; i++) {
-            bits32 v;
-            v.f = src[i];
-            uint32_t rounded = v.u + 0x7fffu + ((v.u >> 16) & 1u);
-            /* NaN stays NaN (quiet) instead of rounding into infinity. */
-            dst[i] = (v.u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((v.u >> 16) | 0x40u)
-                                                        : (uint16_t)(rounded >> 16);
-        }
+        for (int i = 0; i < n; i++) dst[i] = narrow(src[i]);
     } else {
         memcpy((float *)base + index, src, (size_t)n * sizeof(float));
     }

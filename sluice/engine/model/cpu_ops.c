@@ -12,20 +12,8 @@
 #include <math.h>
 #include <stdint.h>
 
-typedef union { uint32_t u; float f; } bits32;
+#include "../bf16.h"
 
-static inline float widen(uint16_t x) {
-    bits32 v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
-
-static inline uint16_t narrow(float f) {
-    bits32 v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u); /* NaN */
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
 
 /* x, out: [rows, dim] (row stride x_stride / dim elements); w: [dim]. */
 void sluice_rms_norm(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint16_t *out,

@@ -2,9 +2,9 @@
 
 Swapped in at load, as the packed linears are (`use_cpu_ops`): each RMSNorm module becomes a
 NativeRMSNorm, each attention layer's `apply_rotary` becomes `native_rotary`. Eager PyTorch
-runs an RMSNorm as 8 ops and a rotary as ~12: 12.1 and 15.5 us per call at one token, 6.1 and
-7.6 us here, a batch-1 decode step 4.5 % shorter (docs/benchmarks.md). float32 keeps the PyTorch modules (the exactness reference); so does a
-machine without a C compiler.
+runs an RMSNorm as 8 ops and a rotary as ~12: 12.1 and 15.5 us per call at one token, 6.1
+and 7.6 us here, a batch-1 decode step 4.5 % shorter (docs/benchmarks.md). float32 keeps the
+PyTorch modules (the exactness reference); so does a machine without a C compiler.
 """
 
 from __future__ import annotations
