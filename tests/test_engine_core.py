@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import msgspec
@@ -21,7 +23,7 @@ from sluice.engine.core.messages import (
     encoder,
     event_decoder,
 )
-from sluice.engine.core.process import CoreSpec
+from sluice.engine.core.process import CoreSpec, native_library_defaults
 from sluice.engine.llm_engine import PromptTooLongError
 from sluice.engine.outputs import RequestOutput, TokenLogprob
 from sluice.engine.sampling_params import SamplingParams
@@ -185,3 +187,26 @@ def test_the_core_dies_with_its_server():
         assert _gone(core, 15), "an orphaned core would hold the model and the port's work"
     finally:
         engine.stop()
+
+
+def test_native_library_defaults_leave_what_the_user_set():
+    env: dict[str, str] = {}
+    native_library_defaults(env)
+    assert env == {"GOMP_SPINCOUNT": "3000000", "LRU_CACHE_CAPACITY": "32",
+                   "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256"}
+    # A chosen wait policy decides the spin itself; a chosen spin count stays.
+    for given in ({"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "0"},
+                  {"LRU_CACHE_CAPACITY": "1024"}):
+        env = dict(given)
+        native_library_defaults(env)
+        assert all(env[k] == v for k, v in given.items())
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    native_library_defaults(env)
+    assert "GOMP_SPINCOUNT" not in env
+
+
+def test_the_core_process_module_loads_no_torch():
+    """OpenMP reads its variables when torch loads it: the core sets them first."""
+    code = ("import sys, sluice.cli, sluice.engine.core.process; "
+            "assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

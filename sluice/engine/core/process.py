@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 import zmq
@@ -71,13 +72,18 @@ class CoreSpec:
     log_level: str = "INFO"
 
 
-def run_engine_core(spec: CoreSpec) -> None:
-    """Entry point of the core process."""
-    _die_with_parent()
-    # Set before torch loads OpenMP. Spinning threads wait for a preempted peer at every
-    # parallel region: with the API process (or a neighbour) taking a core, a batch-32
-    # decode step took 640-960 ms spinning and 180-240 ms sleeping (docs/benchmarks.md).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+def native_library_defaults(env: MutableMapping[str, str]) -> None:
+    """Set in `env` (the process's, before torch loads) what OpenMP and oneDNN read at load
+    time, leaving every variable the user set alone."""
+    # OpenMP: how long a thread spins at a barrier before it sleeps.
+    # A step runs ~150 parallel regions with Python between them, and waking a sleeping
+    # thread for each cost more than the second thread gained (2 threads, batch 8: 23.7 ms
+    # sleeping, 15.9 ms spinning, 21 ms on one thread). 3M spins are ~70 ms here: they span
+    # the gaps between steps while serving, and an idle engine stops spinning soon after.
+    # Serving at concurrency 8/32, 2 threads: 197/364 tok/s sleeping, 249/418 spinning
+    # (docs/benchmarks.md). libgomp cuts the spin when threads outnumber usable CPUs.
+    if "OMP_WAIT_POLICY" not in env:
+        env.setdefault("GOMP_SPINCOUNT", "3000000")
     # Compiled oneDNN primitives are cached per shape, and a step with a new token count
     # adds one per linear (qkv, o, gate_up, down, lm_head). ideep's cache behind the packed
     # linears (LRU_CACHE_CAPACITY, default 1,024) held ~300 MiB once full and fragmented the
@@ -86,8 +92,14 @@ def run_engine_core(spec: CoreSpec) -> None:
     # step, and a decode step reuses the last step's shapes (docs/benchmarks.md, soak).
     # oneDNN's own cache (default 1,024) serves the unpacked ops: at 256 a tiny-model
     # engine's RSS levelled at +66 MiB rather than +170 MiB and rising.
-    os.environ.setdefault("LRU_CACHE_CAPACITY", "32")
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")
+    env.setdefault("LRU_CACHE_CAPACITY", "32")
+    env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")
+
+
+def run_engine_core(spec: CoreSpec) -> None:
+    """Entry point of the core process."""
+    _die_with_parent()
+    native_library_defaults(os.environ)
     logging.basicConfig(level=spec.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context()
