@@ -14,7 +14,8 @@
  * Scores: with few rows (decodes: the GQA group) a dot product per (row, key), reduced as a
  * tree; with many (TRANSPOSE_ROWS on, prefill tiles) the key tile is transposed once and
  * four rows at a time take head_dim broadcast multiply-adds over the block's keys. On
- * AVX512_BF16 the commonest decode shape has intrinsics (cpu_attention_bf16.h).
+ * AVX512_BF16 the commonest shape (bf16, head_dim 64, block_size 16) has intrinsics for both
+ * (cpu_attention_bf16.h).
  * Everything is accumulated in float32; bfloat16 is read by widening and written with
  * round-to-nearest-even, as torch casts. Loops are shaped for the compiler's vectoriser
  * (constant trip counts for the common shapes, see attend_dispatch); exp is a polynomial
@@ -187,6 +188,10 @@ static inline __attribute__((always_inline)) void attend_item(
                           (((int64_t)table[b + 1] * kv_heads + kv_head) * block_size) * head_dim,
                           (whole ? kv_heads : 1) * block_size * head_dim);
         }
+        /* Rows that see none of this block's keys are skipped (a causal tile's first rows at
+         * its last blocks); they come first, so start past them. */
+        int r_first = 0;
+        while (r_first < rows && seq_len - q_len + r_first / group + 1 - first <= 0) r_first++;
 #if defined(__AVX512BF16__)
         if (rows < TRANSPOSE_ROWS && dtype == DTYPE_BF16 && head_dim == 64 && block_size == 16)
             scores_bf16_64x16((const uint16_t *)q, (const uint16_t *)k_cache + tile, s, rows,
@@ -206,6 +211,15 @@ static inline __attribute__((always_inline)) void attend_item(
                 }
             }
         } else {
+            int r0 = r_first;
+#if defined(__AVX512BF16__)
+            if (dtype == DTYPE_BF16 && head_dim == 64 && block_size == 16) {
+                key_pairs_bf16_64x16((const uint16_t *)k_cache + tile, in_block, (uint32_t *)kt);
+                tile_scores_bf16_64x16((const uint16_t *)q, (const uint32_t *)kt, s, r0, rows,
+                                       q_start, group, kv_head, num_heads, scale);
+                goto values;
+            }
+#endif
             /* Many rows (a prefill tile): the key tile transposed once, then each row's scores
              * are head_dim broadcast multiply-adds over a whole block of keys. */
             for (int t = 0; t < in_block; t++) {
@@ -214,18 +228,15 @@ static inline __attribute__((always_inline)) void attend_item(
             }
             for (int t = in_block; t < block_size; t++)
                 for (int d = 0; d < head_dim; d++) kt[d * block_size + t] = 0.0f;
-            /* Rows that see none of this block's keys are skipped (a causal tile's first
-             * rows at its last blocks); they come first, so start past them. */
-            int r0 = 0;
-            while (r0 < rows && seq_len - q_len + r0 / group + 1 - first <= 0) r0++;
             for (; r0 < rows; r0 += 4)
                 score_rows(qf + r0 * head_dim, kt, s + r0 * block_size,
                            rows - r0 < 4 ? rows - r0 : 4, head_dim, block_size);
         }
 #if defined(__AVX512BF16__)
-        if (rows <= 4 && dtype == DTYPE_BF16 && head_dim == 64 && block_size == 16) {
+    values:
+        if (dtype == DTYPE_BF16 && head_dim == 64 && block_size == 16) {
             values_bf16_64x16(s, (const uint16_t *)v_cache + tile, acc, m, l,
-                              seq_len - q_len + 1 - first, group, in_block, rows);
+                              seq_len - q_len + 1 - first, group, in_block, r_first, rows);
             continue;
         }
 #endif

@@ -1,8 +1,10 @@
 /* The AVX-512 BF16 paths of cpu_attention.c for its commonest shape (bf16, head_dim 64,
- * block_size 16) and few query rows (decodes): the key tile is read as stored by the bf16
+ * block_size 16). Few query rows (decodes): the key tile is read as stored by the bf16
  * dot-product instruction, and each value row is widened once for all of a GQA group's
- * rows. Included by cpu_attention.c after exp_poly, only where the compiler targets
- * AVX512_BF16 (-march=native on such a CPU); elsewhere the portable loops run.
+ * rows. Many rows (prefill tiles): the key tile is rearranged once into dimension pairs,
+ * and each row's 16 scores are 32 dot-product steps on a broadcast pair of its query.
+ * Included by cpu_attention.c after exp_poly, only where the compiler targets AVX512_BF16
+ * (-march=native on such a CPU); elsewhere the portable loops run.
  */
 #include <immintrin.h>
 
@@ -62,15 +64,16 @@ static inline __m512 exp_poly16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* softmax_update for `rows` (<= 4, a decode's GQA group) rows over one 16-key bf16 tile:
- * each value row is widened once for all rows, whose accumulators stay in registers.
- * visible0: keys the first row sees in this block (row r sees visible0 + r / group). */
+/* softmax_update for `rows` (<= 4) rows over one 16-key bf16 tile: each value row is
+ * widened once for all rows, whose accumulators stay in registers. The rows are an item's
+ * rows first..first + rows - 1, and s, acc, m and l point at row `first`'s; visible0: keys
+ * the item's row 0 sees in this block (row r sees visible0 + r / group). */
 static inline __attribute__((always_inline)) void softmax_values_bf16_64x16(
         float *restrict s, const uint16_t *restrict vtile, float *restrict acc, float *m,
-        float *l, int visible0, int group, int in_block, const int rows) {
+        float *l, int visible0, int group, int in_block, int first, const int rows) {
     __m512 a[4][4];
     for (int r = 0; r < rows; r++) {
-        int visible = visible0 + r / group;
+        int visible = visible0 + (first + r) / group;
         visible = visible < 0 ? 0 : visible > in_block ? in_block : visible;
         const __mmask16 seen = (__mmask16)((1u << visible) - 1u);
         const __m512 sr = _mm512_loadu_ps(s + r * 16);
@@ -112,13 +115,76 @@ static inline void scores_bf16_64x16(const uint16_t *q, const uint16_t *ktile, f
     }
 }
 
-/* softmax_values_bf16_64x16 with a constant row count, so the accumulators are registers. */
+/* softmax_values_bf16_64x16 over an item's rows r0..rows-1, four at a time with a constant
+ * row count, so the accumulators are registers. */
 static inline void values_bf16_64x16(float *s, const uint16_t *vtile, float *acc, float *m,
-                                     float *l, int visible0, int group, int in_block, int rows) {
-    switch (rows) {
-    case 1: softmax_values_bf16_64x16(s, vtile, acc, m, l, visible0, group, in_block, 1); break;
-    case 2: softmax_values_bf16_64x16(s, vtile, acc, m, l, visible0, group, in_block, 2); break;
-    case 3: softmax_values_bf16_64x16(s, vtile, acc, m, l, visible0, group, in_block, 3); break;
-    default: softmax_values_bf16_64x16(s, vtile, acc, m, l, visible0, group, in_block, 4);
+                                     float *l, int visible0, int group, int in_block, int r0,
+                                     int rows) {
+    for (int r = r0; r < rows; r += 4) {
+        float *sr = s + r * 16, *ar = acc + r * 64, *mr = m + r, *lr = l + r;
+        switch (rows - r) {
+        case 1: softmax_values_bf16_64x16(sr, vtile, ar, mr, lr, visible0, group, in_block, r, 1);
+            break;
+        case 2: softmax_values_bf16_64x16(sr, vtile, ar, mr, lr, visible0, group, in_block, r, 2);
+            break;
+        case 3: softmax_values_bf16_64x16(sr, vtile, ar, mr, lr, visible0, group, in_block, r, 3);
+            break;
+        default: softmax_values_bf16_64x16(sr, vtile, ar, mr, lr, visible0, group, in_block, r, 4);
+        }
+    }
+}
+
+/* A 16-key bf16 tile [16, 64] as dimension pairs: pairs[j * 16 + t] holds key t's dimensions
+ * 2j and 2j + 1 (one 32-bit lane), so row j of pairs is one vector of 16 keys. Keys past
+ * in_block are zero. */
+static inline void key_pairs_bf16_64x16(const uint16_t *ktile, int in_block, uint32_t *pairs) {
+    const uint32_t *k = (const uint32_t *)ktile;
+    for (int j = 0; j < 32; j++)
+        for (int t = 0; t < 16; t++) pairs[j * 16 + t] = t < in_block ? k[t * 32 + j] : 0u;
+}
+
+/* Scores of n (<= 8) query rows against a tile of key pairs: two accumulator chains per row
+ * (even and odd pairs), each step one broadcast pair of the row's query times 16 keys. */
+static inline __attribute__((always_inline)) void score_pairs_bf16_64x16(
+        const uint32_t *const *qrows, const uint32_t *pairs, float *s, float scale, const int n) {
+    __m512 even[8], odd[8];
+    for (int r = 0; r < n; r++) even[r] = odd[r] = _mm512_setzero_ps();
+    for (int j = 0; j < 32; j += 2) {
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(pairs + j * 16);
+        const __m512bh k1 = (__m512bh)_mm512_loadu_si512(pairs + (j + 1) * 16);
+        for (int r = 0; r < n; r++) {
+            even[r] = _mm512_dpbf16_ps(even[r], (__m512bh)_mm512_set1_epi32((int)qrows[r][j]), k0);
+            odd[r] = _mm512_dpbf16_ps(odd[r], (__m512bh)_mm512_set1_epi32((int)qrows[r][j + 1]),
+                                      k1);
+        }
+    }
+    for (int r = 0; r < n; r++)
+        _mm512_storeu_ps(s + r * 16, _mm512_mul_ps(_mm512_add_ps(even[r], odd[r]),
+                                                   _mm512_set1_ps(scale)));
+}
+
+/* Scores of a prefill tile's rows r0..rows-1 (q: [num_tokens, num_heads, 64]) against one key
+ * tile, given as pairs (key_pairs_bf16_64x16). */
+static inline void tile_scores_bf16_64x16(const uint16_t *q, const uint32_t *pairs, float *s,
+                                          int r0, int rows, int q_start, int group, int kv_head,
+                                          int num_heads, float scale) {
+    for (; r0 < rows; r0 += 8) {
+        const uint32_t *qrows[8];
+        const int n = rows - r0 < 8 ? rows - r0 : 8;
+        for (int i = 0; i < n; i++) {
+            const int r = r0 + i, token = q_start + r / group, head = kv_head * group + r % group;
+            qrows[i] = (const uint32_t *)(q + ((int64_t)token * num_heads + head) * 64);
+        }
+        float *sr = s + r0 * 16;
+        switch (n) {
+        case 8: score_pairs_bf16_64x16(qrows, pairs, sr, scale, 8); break;
+        case 7: score_pairs_bf16_64x16(qrows, pairs, sr, scale, 7); break;
+        case 6: score_pairs_bf16_64x16(qrows, pairs, sr, scale, 6); break;
+        case 5: score_pairs_bf16_64x16(qrows, pairs, sr, scale, 5); break;
+        case 4: score_pairs_bf16_64x16(qrows, pairs, sr, scale, 4); break;
+        case 3: score_pairs_bf16_64x16(qrows, pairs, sr, scale, 3); break;
+        case 2: score_pairs_bf16_64x16(qrows, pairs, sr, scale, 2); break;
+        default: score_pairs_bf16_64x16(qrows, pairs, sr, scale, 1);
+        }
     }
 }
