@@ -210,16 +210,14 @@ static inline __attribute__((always_inline)) void attend_item(
                     s[r * block_size + t] = dot;
                 }
             }
-        } else {
-            int r0 = r_first;
 #if defined(__AVX512BF16__)
-            if (dtype == DTYPE_BF16 && head_dim == 64 && block_size == 16) {
-                key_pairs_bf16_64x16((const uint16_t *)k_cache + tile, in_block, (uint32_t *)kt);
-                tile_scores_bf16_64x16((const uint16_t *)q, (const uint32_t *)kt, s, r0, rows,
-                                       q_start, group, kv_head, num_heads, scale);
-                goto values;
-            }
+        } else if (dtype == DTYPE_BF16 && head_dim == 64 && block_size == 16) {
+            /* Many bf16 rows: the key tile as dimension pairs, then bf16 dot products. */
+            key_pairs_bf16_64x16((const uint16_t *)k_cache + tile, in_block, (uint32_t *)kt);
+            tile_scores_bf16_64x16((const uint16_t *)q, (const uint32_t *)kt, s, r_first, rows,
+                                   q_start, group, kv_head, num_heads, scale);
 #endif
+        } else {
             /* Many rows (a prefill tile): the key tile transposed once, then each row's scores
              * are head_dim broadcast multiply-adds over a whole block of keys. */
             for (int t = 0; t < in_block; t++) {
@@ -228,12 +226,11 @@ static inline __attribute__((always_inline)) void attend_item(
             }
             for (int t = in_block; t < block_size; t++)
                 for (int d = 0; d < head_dim; d++) kt[d * block_size + t] = 0.0f;
-            for (; r0 < rows; r0 += 4)
+            for (int r0 = r_first; r0 < rows; r0 += 4)
                 score_rows(qf + r0 * head_dim, kt, s + r0 * block_size,
                            rows - r0 < 4 ? rows - r0 : 4, head_dim, block_size);
         }
 #if defined(__AVX512BF16__)
-    values:
         if (dtype == DTYPE_BF16 && head_dim == 64 && block_size == 16) {
             values_bf16_64x16(s, (const uint16_t *)v_cache + tile, acc, m, l,
                               seq_len - q_len + 1 - first, group, in_block, r_first, rows);
