@@ -34,7 +34,6 @@ enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
 /* From this many query rows per (sequence, KV head) on, keys are transposed per block. */
 #define TRANSPOSE_ROWS 16
 
-
 static inline float exp_poly(float x) {
     /* x <= 0 (a score minus the running max); below -87 the result underflows anyway. */
     x = x < -87.0f ? -87.0f : x;
@@ -141,8 +140,19 @@ static inline __attribute__((always_inline)) void score_rows(
     }
 }
 
+/* Where an item's row r (query token r / group, query head r % group of the KV head's
+ * group) starts in q and out ([num_tokens, num_heads, head_dim]). */
+static inline int64_t row_offset(int r, int q_start, int group, int kv_head, int num_heads,
+                                 int head_dim) {
+    return ((int64_t)(q_start + r / group) * num_heads + kv_head * group + r % group) * head_dim;
+}
+
 #if defined(__AVX512BF16__)
 #include "cpu_attention_bf16.h"
+#define INTRINSICS(dtype, head_dim, block_size) \
+    ((dtype) == DTYPE_BF16 && (head_dim) == 64 && (block_size) == 16)
+#else
+#define INTRINSICS(dtype, head_dim, block_size) 0
 #endif
 
 /* One (sequence, KV head). q and out: [num_tokens, num_heads, head_dim]; k_cache and
@@ -163,12 +173,15 @@ static inline __attribute__((always_inline)) void attend_item(
     float *vf = s + rows * block_size;        /* [block_size, head_dim] */
     float *kt = vf + block_size * head_dim;   /* [head_dim, block_size]: keys transposed */
     float krow[MAX_DIM];
+    /* bf16 intrinsics (cpu_attention_bf16.h) read q as stored: no float copy of it. */
+    const int intrinsics = INTRINSICS(dtype, head_dim, block_size);
 
     for (int r = 0; r < rows; r++) {
-        int token = q_start + r / group, head = kv_head * group + r % group;
-        load_row(q, dtype, ((int64_t)token * num_heads + head) * head_dim, qf + r * head_dim,
-                 head_dim);
-        for (int d = 0; d < head_dim; d++) qf[r * head_dim + d] *= scale;
+        if (!intrinsics) {
+            load_row(q, dtype, row_offset(r, q_start, group, kv_head, num_heads, head_dim),
+                     qf + r * head_dim, head_dim);
+            for (int d = 0; d < head_dim; d++) qf[r * head_dim + d] *= scale;
+        }
         m[r] = -1e30f;
         l[r] = 0.0f;
     }
@@ -193,7 +206,7 @@ static inline __attribute__((always_inline)) void attend_item(
         int r_first = 0;
         while (r_first < rows && seq_len - q_len + r_first / group + 1 - first <= 0) r_first++;
 #if defined(__AVX512BF16__)
-        if (rows < TRANSPOSE_ROWS && dtype == DTYPE_BF16 && head_dim == 64 && block_size == 16)
+        if (intrinsics && rows < TRANSPOSE_ROWS)
             scores_bf16_64x16((const uint16_t *)q, (const uint16_t *)k_cache + tile, s, rows,
                               q_start, group, kv_head, num_heads, scale);
         else
@@ -211,7 +224,7 @@ static inline __attribute__((always_inline)) void attend_item(
                 }
             }
 #if defined(__AVX512BF16__)
-        } else if (dtype == DTYPE_BF16 && head_dim == 64 && block_size == 16) {
+        } else if (intrinsics) {
             /* Many bf16 rows: the key tile as dimension pairs, then bf16 dot products. */
             key_pairs_bf16_64x16((const uint16_t *)k_cache + tile, in_block, (uint32_t *)kt);
             tile_scores_bf16_64x16((const uint16_t *)q, (const uint32_t *)kt, s, r_first, rows,
@@ -231,7 +244,7 @@ static inline __attribute__((always_inline)) void attend_item(
                            rows - r0 < 4 ? rows - r0 : 4, head_dim, block_size);
         }
 #if defined(__AVX512BF16__)
-        if (dtype == DTYPE_BF16 && head_dim == 64 && block_size == 16) {
+        if (intrinsics) {
             values_bf16_64x16(s, (const uint16_t *)v_cache + tile, acc, m, l,
                               seq_len - q_len + 1 - first, group, in_block, r_first, rows);
             continue;
@@ -254,11 +267,11 @@ static inline __attribute__((always_inline)) void attend_item(
         }
     }
     for (int r = 0; r < rows; r++) {
-        int token = q_start + r / group, head = kv_head * group + r % group;
         float *ar = acc + r * head_dim;
         const float inv = 1.0f / l[r];
         for (int d = 0; d < head_dim; d++) ar[d] *= inv;
-        store_row(out, dtype, ((int64_t)token * num_heads + head) * head_dim, ar, head_dim);
+        store_row(out, dtype, row_offset(r, q_start, group, kv_head, num_heads, head_dim), ar,
+                  head_dim);
     }
 }
 

@@ -3,7 +3,7 @@
  * dot-product instruction, and each value row is widened once for all of a GQA group's
  * rows. Many rows (prefill tiles): the key tile is rearranged once into dimension pairs,
  * and each row's 16 scores are 32 dot-product steps on a broadcast pair of its query.
- * Included by cpu_attention.c after exp_poly, only where the compiler targets AVX512_BF16
+ * Included by cpu_attention.c after exp_poly and row_offset, only where the compiler targets AVX512_BF16
  * (-march=native on such a CPU); elsewhere the portable loops run.
  */
 #include <immintrin.h>
@@ -108,11 +108,9 @@ static inline __attribute__((always_inline)) void softmax_values_bf16_64x16(
 static inline void scores_bf16_64x16(const uint16_t *q, const uint16_t *ktile, float *s, int rows,
                                      int q_start, int group, int kv_head, int num_heads,
                                      float scale) {
-    for (int r = 0; r < rows; r++) {
-        const int token = q_start + r / group, head = kv_head * group + r % group;
-        score_row_bf16_64x16(q + ((int64_t)token * num_heads + head) * 64, ktile, scale,
-                             s + r * 16);
-    }
+    for (int r = 0; r < rows; r++)
+        score_row_bf16_64x16(q + row_offset(r, q_start, group, kv_head, num_heads, 64), ktile,
+                             scale, s + r * 16);
 }
 
 /* softmax_values_bf16_64x16 over an item's rows r0..rows-1, four at a time with a constant
@@ -171,10 +169,9 @@ static inline void tile_scores_bf16_64x16(const uint16_t *q, const uint32_t *pai
     for (; r0 < rows; r0 += 8) {
         const uint32_t *qrows[8];
         const int n = rows - r0 < 8 ? rows - r0 : 8;
-        for (int i = 0; i < n; i++) {
-            const int r = r0 + i, token = q_start + r / group, head = kv_head * group + r % group;
-            qrows[i] = (const uint32_t *)(q + ((int64_t)token * num_heads + head) * 64);
-        }
+        for (int i = 0; i < n; i++)
+            qrows[i] = (const uint32_t *)(q + row_offset(r0 + i, q_start, group, kv_head,
+                                                         num_heads, 64));
         float *sr = s + r0 * 16;
         switch (n) {
         case 8: score_pairs_bf16_64x16(qrows, pairs, sr, scale, 8); break;

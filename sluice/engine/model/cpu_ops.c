@@ -14,7 +14,6 @@
 
 #include "../bf16.h"
 
-
 /* x, out: [rows, dim] (row stride x_stride / dim elements); w: [dim]. */
 void sluice_rms_norm(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint16_t *out,
                      int64_t rows, int dim, float eps) {
