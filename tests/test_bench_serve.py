@@ -90,6 +90,8 @@ def test_overhead_benchmark_runs_end_to_end():
             assert report[f"{p}_overhead_ms_p{q}"] == report[f"{p}_ms_p{q}"] - report[
                 f"direct_ms_p{q}"]
             assert report[f"{p}_ms_p{q}"] > 0
+        # one p50 difference per round: each path took a turn in each of the 4 rounds
+        assert len(report[f"{p}_overhead_ms_p50_by_round"]) == report["rounds"] == 4
     # routing time of the measured requests from the picker's own histogram: tokenizing
     # and the index make kv_aware slower than round robin
     kv, rr = report["envoy_picker_gateway_routing_ms_mean"], \

@@ -1,12 +1,12 @@
 """Gateway overhead against a direct call (helper of `sluice bench serve`).
 
-    python -m sluice.bench.serve_overhead [--rate 200] [--requests 2000]
+    python -m sluice.bench.serve_overhead [--rate 200] [--requests 2000] [--rounds 4]
         [--paths direct,envoy,envoy_picker_rr,envoy_picker] [--phases]
 
 Starts an instant OpenAI-shaped upstream (answers every completion at once,
-so only the HTTP path is measured) and a redis-server, then sends the same
-Poisson stream of small completions (a different ~200-token prompt each, so no
-tokenization is reused) along each path in turn, in one run:
+so only the HTTP path is measured), a redis-server and every path's processes,
+then sends the same Poisson stream of small completions (a different ~200-token
+prompt each, so no tokenization is reused) along each path, in one run:
 
 - `direct`: to the upstream;
 - `envoy`: through Envoy alone (the bootstrap without its ext_proc filter): the hop;
@@ -14,9 +14,16 @@ tokenization is reused) along each path in turn, in one run:
 - `envoy_picker`: Envoy + `sluice epp` (`--routing`, kv_aware by default): +
   tokenization, index lookup and scoring.
 
-It reports each path's latency percentiles and their difference to `direct`,
-the routing process's mean routing time (its histogram) and its CPU time per
-request, and Envoy's (from /proc: steadier than latency on shared cores).
+The stream is cut into `--rounds` parts; in each round every path takes its turn
+with the next part (in reverse order every other round), so a machine whose speed
+drifts over minutes (shared vCPUs) weighs on every path alike, and each path's
+figures pool its parts. The processes of the paths not measured meanwhile stay up,
+idle (a picker with nothing to route uses ~1 % of a core: its scrapes and probes).
+
+It reports each path's latency percentiles and their difference to `direct` (and
+the p50 difference of each round, which shows the drift), the routing process's
+mean routing time (its histogram) and its CPU time per request, and Envoy's (from
+/proc: steadier than latency on shared cores).
 `--phases` adds Envoy's own timing of each ext_proc exchange (its access log:
 request headers, request body, response headers, in us) and of the request and
 response paths through it (first byte in to first byte out, us).
@@ -27,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import subprocess
 import sys
@@ -36,7 +42,7 @@ import time
 import httpx
 import numpy as np
 
-from sluice.bench.serve_overhead_load import drive, fake_upstream
+from sluice.bench.serve_overhead_load import Run, drive, fake_upstream
 
 
 def _wait(url: str, timeout: float = 120) -> None:
@@ -49,39 +55,6 @@ def _wait(url: str, timeout: float = 120) -> None:
             pass
         time.sleep(0.2)
     raise TimeoutError(url)
-
-
-def _gateway_sums(url: str) -> dict[str, tuple[float, float]]:
-    """(sum, count) of each of the gateway's `*_seconds` histograms, pods summed."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    sums: dict[str, list[float]] = {}
-    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-        for s in fam.samples:
-            if s.name.endswith(("_seconds_sum", "_seconds_count")):
-                base, _, kind = s.name.rpartition("_")
-                sums.setdefault(base, [0.0, 0.0])[kind == "count"] += s.value
-    return {k: (v[0], v[1]) for k, v in sums.items()}
-
-
-def _cpu_s(pid: int) -> float | None:
-    """CPU seconds (user + system) a process has used so far; None off Linux."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _means_ms(before: dict, after: dict) -> dict[str, float]:
-    """Mean of each histogram over the requests between `before` and `after`, in ms."""
-    out = {}
-    for base, (total, n) in after.items():
-        total0, n0 = before.get(base, (0.0, 0.0))
-        name = base.removeprefix("sluice_gateway_").removesuffix("_seconds")
-        out[f"gateway_{name}_ms_mean"] = 1000 * (total - total0) / max(1.0, n - n0)
-    return out
 
 
 class _Path:
@@ -189,6 +162,8 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--routing", default="kv_aware")
     p.add_argument("--paths", default=",".join(PATHS))
+    p.add_argument("--rounds", type=int, default=4,
+                   help="turns each path takes, interleaved with the others' (see above)")
     p.add_argument("--gateway-arg", action="append", default=[],
                    help="extra argument of `sluice epp` (repeatable, "
                         "e.g. --gateway-arg=--speculative-flush-ms=50)")
@@ -206,50 +181,38 @@ def main() -> int:
 
     paths = args.paths.split(",")
     assert paths[0] == "direct" and set(paths) <= set(PATHS), paths
+    assert 1 <= args.rounds <= args.requests, args.rounds
     up_port, redis_port = free_ports(2)
     procs: list = [subprocess.Popen([sys.executable, "-m", "sluice.bench.serve_overhead",
                                      "--fake-upstream", str(up_port)]),
                    subprocess.Popen([REDIS_SERVER_PATH, "--port", str(redis_port), "--save",
                                      "", "--bind", "127.0.0.1"], stdout=subprocess.DEVNULL)]
     up = f"http://127.0.0.1:{up_port}"
-    out: dict = {"rate": args.rate, "requests": args.requests, "routing": args.routing}
+    out: dict = {"rate": args.rate, "requests": args.requests, "routing": args.routing,
+                 "rounds": args.rounds}
     maker = TextMaker(random.Random(0))
     prompts = [maker.text(200) for _ in range(args.requests)]
     try:
         _wait(up + "/health")
+        started: dict[str, _Path] = {}
         for name in paths:
-            started = len(procs)
-            path = _Path(up) if name == "direct" else _start_path(
+            started[name] = _Path(up) if name == "direct" else _start_path(
                 name, up_port, f"redis://127.0.0.1:{redis_port}/0", args.routing,
                 args.gateway_arg, procs, args.phases)
-            asyncio.run(drive(path.url, [maker.text(200) for _ in range(100)], 50, 1))  # warm
-            before = _gateway_sums(path.metrics) if path.metrics else {}
-            cpu0 = _cpu_s(path.pid) if path.pid else None
-            envoy_pid = path.envoy.proc.pid if path.envoy else None
-            envoy0 = _cpu_s(envoy_pid) if envoy_pid else None
-            lat, failed, achieved = asyncio.run(drive(path.url, prompts, args.rate, 0))
-            out[f"{name}_failed"], out[f"{name}_achieved_rate"] = failed, achieved
-            for q in (50, 90, 99):
-                out[f"{name}_ms_p{q}"] = float(np.percentile(lat, q))
-                if name != "direct":
-                    out[f"{name}_overhead_ms_p{q}"] = (out[f"{name}_ms_p{q}"]
-                                                       - out[f"direct_ms_p{q}"])
-            if path.metrics:
-                for key, value in _means_ms(before, _gateway_sums(path.metrics)).items():
-                    out[f"{name}_{key}"] = value
-            cpu1 = _cpu_s(path.pid) if path.pid else None
-            if cpu0 is not None and cpu1 is not None:  # includes its scrapes and probes
-                out[f"{name}_cpu_ms_per_request"] = 1000 * (cpu1 - cpu0) / len(prompts)
-            envoy1 = _cpu_s(envoy_pid) if envoy_pid else None
-            if envoy0 is not None and envoy1 is not None:
-                out[f"{name}_envoy_cpu_ms_per_request"] = 1000 * (envoy1 - envoy0) / len(prompts)
-            if args.phases and path.pid:
+            asyncio.run(drive(started[name].url, [maker.text(200) for _ in range(100)], 50,
+                              1))  # warm
+        runs = {name: Run(started[name]) for name in paths}
+        n = len(prompts)
+        for r in range(args.rounds):
+            part = prompts[r * n // args.rounds:(r + 1) * n // args.rounds]
+            for name in (paths if r % 2 == 0 else paths[::-1]):
+                runs[name].measure(part, args.rate, r)
+        for name in paths:
+            out.update(runs[name].report(name, runs["direct"], n))
+            if args.phases and started[name].pid:
                 time.sleep(0.3)  # (Envoy writes its access log every 100 ms)
-                for key, value in _phases(path.envoy, len(prompts)).items():
+                for key, value in _phases(started[name].envoy, n).items():
                     out[f"{name}_{key}"] = value
-            for proc in reversed(procs[started:]):  # one path at a time on the machine
-                _stop(proc)
-            del procs[started:]
     finally:
         for proc in reversed(procs):
             _stop(proc)

@@ -1,15 +1,18 @@
 """The two ends of `serve_overhead`'s measurement: an instant OpenAI-shaped upstream
 (answers every completion at once, so only the HTTP path is measured) and the client
-that sends completions to a path on a fixed Poisson schedule."""
+that sends completions to a path on a fixed Poisson schedule; and `Run`, one path's
+measured parts pooled."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import time
 
 import aiohttp
+import httpx
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -87,3 +90,82 @@ async def drive(url: str, prompts: list[str], rate: float, seed: int
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
         await asyncio.gather(*tasks)
     return np.asarray(lat) * 1000, failed, len(prompts) / (time.perf_counter() - start)
+
+
+def _gateway_sums(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each of the gateway's `*_seconds` histograms, pods summed."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sums: dict[str, list[float]] = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in fam.samples:
+            if s.name.endswith(("_seconds_sum", "_seconds_count")):
+                base, _, kind = s.name.rpartition("_")
+                sums.setdefault(base, [0.0, 0.0])[kind == "count"] += s.value
+    return {k: (v[0], v[1]) for k, v in sums.items()}
+
+
+def _cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) a process has used so far; None off Linux."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Run:
+    """One path's measured parts, pooled: latencies, failures, time, and the CPU and
+    routing histograms of its processes over exactly those requests. `path` has the
+    path's `url`, and where it has them the `pid` of its routing process, the URL of
+    that process's `metrics` and its `envoy` (an `EnvoyProcess`)."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+        self.lat: list[np.ndarray] = []
+        self.failed = 0
+        self.seconds = 0.0
+        self.cpu_s = self.envoy_cpu_s = 0.0
+        self.sums: dict[str, tuple[float, float]] = {}
+
+    def measure(self, prompts: list[str], rate: float, seed: int) -> None:
+        path = self.path
+        envoy_pid = path.envoy.proc.pid if path.envoy else None
+        before = _gateway_sums(path.metrics) if path.metrics else {}
+        cpu0, envoy0 = _cpu_s(path.pid) if path.pid else None, _cpu_s(envoy_pid) if \
+            envoy_pid else None
+        lat, failed, achieved = asyncio.run(drive(path.url, prompts, rate, seed))
+        if cpu0 is not None:  # (includes its scrapes and probes)
+            self.cpu_s += (_cpu_s(path.pid) or cpu0) - cpu0
+        if envoy0 is not None:
+            self.envoy_cpu_s += (_cpu_s(envoy_pid) or envoy0) - envoy0
+        if path.metrics:
+            for base, (total, count) in _gateway_sums(path.metrics).items():
+                total0, count0 = before.get(base, (0.0, 0.0))
+                acc = self.sums.get(base, (0.0, 0.0))
+                self.sums[base] = (acc[0] + total - total0, acc[1] + count - count0)
+        self.lat.append(lat)
+        self.failed += failed
+        self.seconds += len(prompts) / achieved
+
+    def report(self, name: str, direct: Run, n: int) -> dict[str, float]:
+        lat = np.concatenate(self.lat)
+        out = {f"{name}_failed": self.failed, f"{name}_achieved_rate": n / self.seconds}
+        for q in (50, 90, 99):
+            out[f"{name}_ms_p{q}"] = float(np.percentile(lat, q))
+            if self is not direct:
+                out[f"{name}_overhead_ms_p{q}"] = out[f"{name}_ms_p{q}"] - float(
+                    np.percentile(np.concatenate(direct.lat), q))
+        if self is not direct:
+            out[f"{name}_overhead_ms_p50_by_round"] = [
+                float(np.percentile(a, 50) - np.percentile(b, 50))
+                for a, b in zip(self.lat, direct.lat, strict=True)]
+        for base, (total, count) in self.sums.items():
+            key = base.removeprefix("sluice_gateway_").removesuffix("_seconds")
+            out[f"{name}_gateway_{key}_ms_mean"] = 1000 * total / max(1.0, count)
+        if self.path.pid:
+            out[f"{name}_cpu_ms_per_request"] = 1000 * self.cpu_s / n
+        if self.path.envoy:
+            out[f"{name}_envoy_cpu_ms_per_request"] = 1000 * self.envoy_cpu_s / n
+        return out
