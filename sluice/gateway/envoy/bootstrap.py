@@ -12,7 +12,8 @@ answer's header changes) -> header_to_metadata -> router. Envoy 1.40 does fallba
   override_host LB policy reads the ordered comma list in metadata `envoy.lb` /
   `x-gateway-destination-endpoint`; each retry takes the next host of the list.
 
-The picker answers the same to both: header = primary, metadata = "primary,fallback,...", and
+The picker answers the same to both: header and metadata "primary,fallback,..." (one value, as
+GIE asks; behind ORIGINAL_DST run it with `--max-fallbacks 0`, docs/gateway.md), and
 reads the endpoint that answered in `envoy.lb` / `x-gateway-destination-endpoint-served` on the
 response-headers message. `render_bootstrap` is pure; `python -m sluice.gateway.envoy.bootstrap
 --out f.yaml` is the CLI the chart and images run, so this module is the file's one source.
@@ -145,8 +146,8 @@ def _engine_cluster(cfg: EnvoyConfig) -> dict:
         raise ValueError("endpoints: a list of ip:port, or exactly one dns-name:port")
     override = {
         "@type": T + "load_balancing_policies.override_host.v3.OverrideHost",
-        # Metadata only: it carries the whole ordered list. Adding the header (the primary)
-        # as a second source would append the primary again and spend a retry on it.
+        # Metadata only: it carries the whole ordered list. The header (the same list) as a
+        # second source would name the primary again and spend a retry on it.
         "override_host_sources": [
             {"metadata": {"key": LB_NAMESPACE, "path": [{"key": DEST_HEADER}]}}],
         # Named hosts all tried or unknown (e.g. DNS not yet refreshed): least-request.
