@@ -126,20 +126,19 @@ class Run:
         self.lat: list[np.ndarray] = []
         self.failed = 0
         self.seconds = 0.0
-        self.cpu_s = self.envoy_cpu_s = 0.0
+        self.cpu_s = [0.0, 0.0]  # the routing process's, Envoy's (includes their background)
         self.sums: dict[str, tuple[float, float]] = {}
 
     def measure(self, prompts: list[str], rate: float, seed: int) -> None:
         path = self.path
-        envoy_pid = path.envoy.proc.pid if path.envoy else None
+        pids = (path.pid, path.envoy.proc.pid if path.envoy else None)
         before = _gateway_sums(path.metrics) if path.metrics else {}
-        cpu0, envoy0 = _cpu_s(path.pid) if path.pid else None, _cpu_s(envoy_pid) if \
-            envoy_pid else None
+        cpu0 = [_cpu_s(pid) if pid else None for pid in pids]
         lat, failed, achieved = asyncio.run(drive(path.url, prompts, rate, seed))
-        if cpu0 is not None:  # (includes its scrapes and probes)
-            self.cpu_s += (_cpu_s(path.pid) or cpu0) - cpu0
-        if envoy0 is not None:
-            self.envoy_cpu_s += (_cpu_s(envoy_pid) or envoy0) - envoy0
+        for i, (pid, t0) in enumerate(zip(pids, cpu0, strict=True)):
+            t1 = _cpu_s(pid) if pid else None
+            if t0 is not None and t1 is not None:
+                self.cpu_s[i] += t1 - t0
         if path.metrics:
             for base, (total, count) in _gateway_sums(path.metrics).items():
                 total0, count0 = before.get(base, (0.0, 0.0))
@@ -149,7 +148,7 @@ class Run:
         self.failed += failed
         self.seconds += len(prompts) / achieved
 
-    def report(self, name: str, direct: Run, n: int) -> dict[str, float]:
+    def report(self, name: str, direct: Run, n: int) -> dict[str, object]:
         lat = np.concatenate(self.lat)
         out = {f"{name}_failed": self.failed, f"{name}_achieved_rate": n / self.seconds}
         for q in (50, 90, 99):
@@ -165,7 +164,7 @@ class Run:
             key = base.removeprefix("sluice_gateway_").removesuffix("_seconds")
             out[f"{name}_gateway_{key}_ms_mean"] = 1000 * total / max(1.0, count)
         if self.path.pid:
-            out[f"{name}_cpu_ms_per_request"] = 1000 * self.cpu_s / n
+            out[f"{name}_cpu_ms_per_request"] = 1000 * self.cpu_s[0] / n
         if self.path.envoy:
-            out[f"{name}_envoy_cpu_ms_per_request"] = 1000 * self.envoy_cpu_s / n
+            out[f"{name}_envoy_cpu_ms_per_request"] = 1000 * self.cpu_s[1] / n
         return out
