@@ -3,8 +3,8 @@
  * dot-product instruction, and each value row is widened once for all of a GQA group's
  * rows. Many rows (prefill tiles): the key tile is rearranged once into dimension pairs,
  * and each row's 16 scores are 32 dot-product steps on a broadcast pair of its query.
- * Included by cpu_attention.c after exp_poly and row_offset, only where the compiler targets AVX512_BF16
- * (-march=native on such a CPU); elsewhere the portable loops run.
+ * Included by cpu_attention.c after exp_poly and row_offset, only where the compiler targets
+ * AVX512_BF16 (-march=native on such a CPU); elsewhere the portable loops run.
  */
 #include <immintrin.h>
 

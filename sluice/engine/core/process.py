@@ -77,8 +77,8 @@ def native_library_defaults(env: MutableMapping[str, str]) -> None:
     time, leaving every variable the user set alone."""
     # OpenMP: how long a thread spins at a barrier before it sleeps. A step runs ~150
     # parallel regions with Python between them, and waking a sleeping thread for each cost
-    # more than the second thread gained (2 threads, batch 8: 23.4 ms
-    # sleeping, 15.6 ms spinning, 21.4 ms on one thread). 3M spins are ~70 ms here: they span
+    # more than the second thread gained (2 threads, batch 8: 23.4 ms sleeping, 15.6 ms
+    # spinning, 21.4 ms on one thread). 3M spins are ~70 ms here: they span
     # the gaps between steps while serving, and an idle engine stops spinning soon after.
     # Serving at concurrency 8/32, 2 threads: 242/443 tok/s sleeping, 329/552 spinning
     # (docs/benchmarks.md). libgomp cuts the spin when threads outnumber usable CPUs.
