@@ -4,8 +4,13 @@ from pathlib import Path
 
 import pytest
 
+from sluice.gateway.server.cli import LISTENER_EXPERIMENT
+
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The gRPC listener `sluice epp` runs (its main sets this before gRPC starts), for the pickers
+# the tests serve in-process too. Read by gRPC at import: no test module has imported it yet.
+os.environ.setdefault("GRPC_EXPERIMENTS", LISTENER_EXPERIMENT)
 
 # No torch here: the gateway's and the operator's tests must collect and run without it
 # (their images carry none; tests/test_import_boundaries.py checks). Without a CUDA device,
