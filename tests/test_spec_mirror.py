@@ -32,9 +32,16 @@ def replica(srv):
     """A gateway replica's index that reads its own view, with its mirror running."""
     index = PrefixIndex(LocalIndex(), RedisIndex.from_url(srv.url, 0.5), read_local=True)
     mirror = SpecMirror(index.redis.sync, index.local, index.redis.replica_id, 60_000)
+    index.redis.own_mirror = mirror.subscribed  # (as the routing core wires them)
     mirror.start()
     assert mirror.subscribed.wait(5)
     return index, mirror
+
+
+def published(srv) -> int:
+    """The PUBLISH calls Redis has run, its scripts' included."""
+    return redis.Redis(port=srv.port).info("commandstats").get("cmdstat_publish",
+                                                               {}).get("calls", 0)
 
 
 def until(cond, timeout=5.0):
@@ -68,6 +75,36 @@ def test_a_decision_of_one_replica_reaches_the_others_view(srv):
         assert redis.Redis(port=srv.port).zcard(ik.pod_spec_key("b:2")) == 4  # still shared
     finally:
         ma.stop(), mb.stop()
+        loop.close()
+
+
+def test_a_lone_replica_publishes_its_decisions_once_another_listens(srv):
+    a, ma = replica(srv)
+    mirrors = [ma]
+    loop = asyncio.new_event_loop()
+
+    async def decide(pod):
+        a.speculate(pod, KEYS[:2], ttl_ms=60_000)
+        await eventually(lambda: redis.Redis(port=srv.port).zcard(ik.pod_spec_key(pod)),
+                         what="flushed")
+    try:
+        loop.run_until_complete(decide("a:1"))
+        assert published(srv) == 0  # written, but only its own mirror listens
+        ma.stop()
+        until(lambda: not redis.Redis(port=srv.port).pubsub_numsub(ik.SPEC_CHANNEL)[0][1])
+        other = redis.Redis(port=srv.port).pubsub()
+        other.subscribe(ik.SPEC_CHANNEL)  # someone else listens, its own mirror does not
+        loop.run_until_complete(decide("b:2"))
+        assert published(srv) == 1
+        other.close()
+        b, mb = replica(srv)
+        mirrors.append(mb)
+        loop.run_until_complete(decide("c:3"))
+        until(lambda: b.local.lookup(KEYS, ["c:3"], time.time() * 1000) == {"c:3": 2})
+        assert published(srv) == 2
+    finally:
+        for m in mirrors:
+            m.stop()
         loop.close()
 
 
@@ -166,6 +203,10 @@ def test_a_gateway_reading_its_own_view_runs_the_mirror(srv):
         other.speculate_later("a:1", KEYS[:3], 60_000, time.time() * 1000)
         loop.run_until_complete(other.flush())
         until(lambda: gw.index.local.lookup(KEYS, PODS, time.time() * 1000) == {"a:1": 3})
+        before = published(srv)  # (the other's, for this mirror)
+        gw.redis.speculate_later("b:2", KEYS[:3], 60_000, time.time() * 1000)
+        loop.run_until_complete(gw.redis.flush())
+        assert published(srv) == before  # its own decision, with no one else listening
     finally:
         loop.run_until_complete(gw.stop())
         loop.run_until_complete(other.aio.aclose())

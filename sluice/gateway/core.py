@@ -88,6 +88,8 @@ class RoutingCore:
                                   max(cfg.routing.speculative_ttl_ms, 1))
                        if uses_events and self.redis is not None and self.index.read_local
                        else None)
+        if self.mirror is not None:  # (its own decisions are published for the others only)
+            self.redis.own_mirror = self.mirror.subscribed
         self.http = PodClient(engine_api_key=cfg.engine_api_key)
         self.registry = PodRegistry(self.feeder, self.redis, self.loads, self.health,
                                     self.http, cfg.probe_interval_s, cfg.forget_pod_after_s)

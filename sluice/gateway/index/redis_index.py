@@ -20,6 +20,7 @@ multi-key operation is one Lua script, so it is atomic and costs one round trip:
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from typing import Any
@@ -92,13 +93,13 @@ end
 return {flat, loads, held}
 """.replace("CHUNK", "1024")
 
-# ARGV: prefix, pod, expiry_ms, ttl_ms, keys blob, replica id
-# Also published on `index_keys.SPEC_CHANNEL` for the replicas' mirrors
-# (`spec_mirror`): "replica\npod\nexpiry_ms\nkeys blob". An entry's expiry and
-# the key's TTL only grow: a shorter decision (another replica's TTL) never cuts
-# a longer one short. Because no one can shorten it, the expiry is capped at
-# Redis's own clock + the TTL: a replica whose clock runs ahead cannot make an
-# entry outlive its TTL.
+# ARGV: prefix, pod, expiry_ms, ttl_ms, keys blob, replica id, 1 while this replica's
+# mirror listens (else 0). An entry's expiry and the key's TTL only grow: a shorter
+# decision (another replica's TTL) never cuts a longer one short, so the expiry is capped
+# at Redis's clock + the TTL (a replica whose clock runs ahead cannot make an entry
+# outlive it). Published on `index_keys.SPEC_CHANNEL` ("replica\npod\nexpiry_ms\nkeys
+# blob", for `spec_mirror`) when someone besides this replica's mirror listens (a lone
+# replica's mirror would wake only to skip its own message), or when PUBSUB is refused.
 SPECULATE = SPLIT_KEYS + """
 local P, pod, exp, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local keys = split_keys(ARGV[5])
@@ -116,8 +117,11 @@ end
 redis.call('ZREMRANGEBYSCORE', k, '-inf', '('..(exp - ttl))
 if redis.call('PTTL', k) < ttl then redis.call('PEXPIRE', k, ttl) end
 -- (pcall: a Redis user without channel rights still gets the entries written)
-local msg = ARGV[6]..'\\n'..pod..'\\n'..exp..'\\n'..ARGV[5]  -- (exp as ZADD has it)
-redis.pcall('PUBLISH', P..'spec', msg)
+local listening = redis.pcall('PUBSUB', 'NUMSUB', P..'spec')
+if listening.err ~= nil or listening[2] > tonumber(ARGV[7]) then
+  local msg = ARGV[6]..'\\n'..pod..'\\n'..exp..'\\n'..ARGV[5]  -- (exp as ZADD has it)
+  redis.pcall('PUBLISH', P..'spec', msg)
+end
 return #keys
 """
 
@@ -168,6 +172,7 @@ class RedisIndex:
         self.timeout_s = timeout_s
         self._apply = sync_client.register_script(APPLY)
         self.replica_id = uuid.uuid4().hex  # (this gateway replica's, in fences and mirrors)
+        self.own_mirror: threading.Event | None = None  # set while this replica's mirror listens
         self._rewriter = PodRewriter(sync_client, self._apply, self.replica_id, lease_ms)
         self._lookup = Script(async_client, LOOKUP)
         self._spec = Script(async_client, SPECULATE)
@@ -253,8 +258,9 @@ class RedisIndex:
     def speculate_later(self, pod: str, keys: list[str], ttl_ms: int, now_ms: float) -> None:
         """Queue speculative entries (sent by the next `flush`)."""
         if keys:
+            own = self.own_mirror is not None and self.own_mirror.is_set()
             self._pending.append((self._spec, [P, pod, now_ms + ttl_ms, ttl_ms, _blob(keys),
-                                                self.replica_id]))
+                                                self.replica_id, int(own)]))
 
     @property
     def pending(self) -> int:

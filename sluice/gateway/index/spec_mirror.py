@@ -3,14 +3,16 @@
 A replica that routes on its own view (`--index-reads local`) still has every
 confirmed entry (it is fed every engine's events, as Redis is) but not the
 speculative entries the other replicas' decisions wrote to Redis. Each such
-write is also published on `index_keys.SPEC_CHANNEL` (the SPECULATE script);
-`SpecMirror` subscribes on a thread of its own and adds the entries of the
-other replicas to the local view, with their expiry. They arrive as they reach
-Redis (within the writer's `flush_after_s`), so a burst of one prefix spread
-over replicas still sticks to one pod. While Redis is unreachable nothing is
-published; the mirror reconnects every `retry_s`, and what was published
-meanwhile (entries that expire within seconds anyway) is not recovered. Its
-own PINGs tell a connection that went silent (half-open) from an idle one.
+write is also published on `index_keys.SPEC_CHANNEL` (the SPECULATE script)
+while someone besides the writer's own mirror listens; `SpecMirror` subscribes
+on a thread of its own and adds the entries of the other replicas to the local
+view, with their expiry. They arrive as they reach Redis (within the writer's
+`flush_after_s`), so a burst of one prefix spread over replicas still sticks to
+one pod. While Redis is unreachable nothing is published; the mirror reconnects
+every `retry_s`, and what was published meanwhile (entries that expire within
+seconds anyway) is not recovered; nor is what a replica whose subscription
+Redis dropped, unnoticed yet, left unpublished for one other listener. Its own
+PINGs tell a connection that went silent (half-open) from an idle one.
 """
 
 from __future__ import annotations
