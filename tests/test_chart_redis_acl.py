@@ -87,7 +87,6 @@ def test_the_picker_user_runs_the_index_and_the_speculation_channel(acl_redis):
 def test_the_operator_user_purges_and_reads_loads_but_cannot_forge_decisions(acl_redis):
     op = redis.Redis.from_url(url(acl_redis, "operator"))
     picker = redis.Redis.from_url(url(acl_redis, "picker"))
-    picker.pubsub_numsub(ik.SPEC_CHANNEL)  # (the SPECULATE script asks who listens)
     picker.hset(ik.load_key("c:3"), mapping={"waiting": 0, "running": 0, "kv_usage": 0.1,
                                                "ts_ms": time.time() * 1000})
     assert op.hgetall(ik.load_key("c:3"))  # the autoscaler's read
