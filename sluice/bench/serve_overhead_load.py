@@ -149,13 +149,13 @@ class Run:
         self.seconds += len(prompts) / achieved
 
     def report(self, name: str, direct: Run, n: int) -> dict[str, object]:
-        lat = np.concatenate(self.lat)
+        lat, direct_lat = np.concatenate(self.lat), np.concatenate(direct.lat)
         out = {f"{name}_failed": self.failed, f"{name}_achieved_rate": n / self.seconds}
         for q in (50, 90, 99):
             out[f"{name}_ms_p{q}"] = float(np.percentile(lat, q))
             if self is not direct:
                 out[f"{name}_overhead_ms_p{q}"] = out[f"{name}_ms_p{q}"] - float(
-                    np.percentile(np.concatenate(direct.lat), q))
+                    np.percentile(direct_lat, q))
         if self is not direct:
             out[f"{name}_overhead_ms_p50_by_round"] = [
                 float(np.percentile(a, 50) - np.percentile(b, 50))
