@@ -83,7 +83,7 @@ def test_overhead_benchmark_runs_end_to_end():
                          check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout[out.stdout.index("{"):])
-    paths = ("envoy", "envoy_picker_rr", "envoy_picker")
+    paths = ("envoy", "envoy_stub", "envoy_picker_rr", "envoy_picker")
     assert all(report[f"{p}_failed"] == 0 for p in ("direct", *paths))
     for p in paths:
         for q in (50, 90, 99):
@@ -97,8 +97,11 @@ def test_overhead_benchmark_runs_end_to_end():
     kv, rr = report["envoy_picker_gateway_routing_ms_mean"], \
         report["envoy_picker_rr_gateway_routing_ms_mean"]
     assert 0 < rr < kv < report["envoy_picker_ms_p99"]
-    # the picker process's CPU over the measured requests (Linux /proc), per request
-    assert 0 < report["envoy_picker_cpu_ms_per_request"] < 1000
+    # the picker process's CPU over the measured requests (Linux /proc), per request; the
+    # do-nothing picker's too, and it has no routing histogram
+    for p in ("envoy_stub", "envoy_picker"):
+        assert 0 < report[f"{p}_cpu_ms_per_request"] < 1000
+    assert "envoy_stub_gateway_routing_ms_mean" not in report
 
 
 def test_a_failed_turn_fails_the_rest_of_its_session():

@@ -1,7 +1,7 @@
 """Gateway overhead against a direct call (helper of `sluice bench serve`).
 
     python -m sluice.bench.serve_overhead [--rate 200] [--requests 2000] [--rounds 4]
-        [--paths direct,envoy,envoy_picker_rr,envoy_picker] [--phases]
+        [--paths direct,envoy,envoy_stub,envoy_picker_rr,envoy_picker] [--phases]
 
 Starts an instant OpenAI-shaped upstream (answers every completion at once,
 so only the HTTP path is measured), a redis-server and every path's processes,
@@ -10,7 +10,10 @@ prompt each, so no tokenization is reused) along each path, in one run:
 
 - `direct`: to the upstream;
 - `envoy`: through Envoy alone (the bootstrap without its ext_proc filter): the hop;
-- `envoy_picker_rr`: Envoy + `sluice epp --routing round_robin`: + the gRPC stream;
+- `envoy_stub`: Envoy + a do-nothing ext_proc server on grpc.aio (`stub_picker`): + the
+  gRPC stream, the floor under any Python picker;
+- `envoy_picker_rr`: Envoy + `sluice epp --routing round_robin`: + parsing the body,
+  in-flight accounting and the response's headers;
 - `envoy_picker`: Envoy + `sluice epp` (`--routing`, kv_aware by default): +
   tokenization, index lookup and scoring.
 
@@ -122,6 +125,11 @@ def _start_path(name: str, up_port: int, redis_url: str, routing: str, extra: li
         # (and no completion routes: without a picker they only answer an empty body's 400)
         vhost = hcm["typed_config"]["route_config"]["virtual_hosts"][0]
         vhost["routes"] = [r for r in vhost["routes"] if "path" not in r["match"]]
+    elif name == "envoy_stub":
+        procs.append(subprocess.Popen([sys.executable, "-m", "sluice.bench.stub_picker",
+                                       "--port", str(grpc_port), "--endpoint",
+                                       f"127.0.0.1:{up_port}"]))
+        pid = procs[-1].pid
     else:
         picker_routing = "round_robin" if name == "envoy_picker_rr" else routing
         procs.append(subprocess.Popen([sys.executable, "-m", "sluice.cli", "epp", "--host",
@@ -153,7 +161,7 @@ def _wait_routed(url: str, timeout: float = 60) -> None:
     raise TimeoutError(url)
 
 
-PATHS = ("direct", "envoy", "envoy_picker_rr", "envoy_picker")
+PATHS = ("direct", "envoy", "envoy_stub", "envoy_picker_rr", "envoy_picker")
 
 
 def main() -> int:
