@@ -149,6 +149,21 @@ def test_prefix_strategy_uses_routing_history_only():
     assert second.pod == first.pod and second.hit_blocks == 10
 
 
+def test_a_pods_load_is_the_newer_of_its_scrape_and_redis_entry_until_it_expires():
+    table = LoadTable(ttl_ms=1000)
+    assert table.row("a:1", 5_000) is None
+    table.put("a:1", EngineMetrics(waiting=1, running=2, kv_usage=0.5), 4_000)
+    own = {"waiting": 1, "running": 2, "kv_usage": 0.5, "ts_ms": 4_000}
+    assert table.row("a:1", 4_500) == own
+    shared = {"waiting": 7, "running": 0, "kv_usage": 0.9, "ts_ms": 4_200}
+    table.put_shared("a:1", shared)
+    assert table.row("a:1", 4_500) == shared  # another replica scraped later
+    table.put_shared("a:1", {**shared, "ts_ms": 4_000})
+    assert table.row("a:1", 4_500) == own  # a tie: this replica's own
+    assert table.row("a:1", 5_000) is None  # older than the TTL: unknown
+    assert table.fresh(4_500) == {"a:1": own} and table.fresh(5_000) == {}
+
+
 def test_parse_engine_metrics():
     from sluice.metrics_text import parse_engine_metrics
     text = """# HELP vllm:num_requests_waiting x

@@ -2,6 +2,7 @@
 scripted engines: what it answers at each phase, and the accounting it keeps."""
 
 import json
+import time
 
 import grpc
 import httpx
@@ -130,6 +131,23 @@ def test_the_subset_hint_is_honoured(pool):
         answers = client.exchange(post(metadata_context=hint), body({"model": "m", "prompt": "x"}))
         code, _, hdrs = immediate(answers[-1])
         assert code == 503 and hdrs["retry-after"] == "1"
+
+
+def test_every_pod_at_its_waiting_limit_sheds_429_until_one_drains(pool):
+    picker, client, pods = pool
+    limit = picker.cfg.shed_waiting
+
+    def waiting(pod, n):  # a load entry newer than any scrape of this test
+        picker.call(lambda: picker.core.loads.put_shared(pod, {
+            "waiting": n, "running": 0, "kv_usage": 0.5, "ts_ms": time.time() * 1e3 + 3.6e6}))
+
+    for pod in pods:
+        waiting(pod, limit)
+    code, err, hdrs = immediate(client.exchange(post(), body({"model": "m", "prompt": "x"}))[-1])
+    assert code == 429 and hdrs["retry-after"] == "1" and err["error"]["code"] == 429
+    waiting(pods[1], limit - 1)
+    answers = client.exchange(post(), body({"model": "m", "prompt": "x"}))
+    assert destination(answers[-1]).split(",")[0] in pods
 
 
 def test_inflight_follows_the_pod_that_served_and_ends_with_the_stream(pool):

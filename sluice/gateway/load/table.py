@@ -38,12 +38,19 @@ class LoadTable:
         row = self._rows.get(pod)
         return None if row is None else row[1]
 
+    def row(self, pod: str, now_ms: float) -> dict[str, float] | None:
+        """The pod's unexpired load, shaped like a Redis load entry: the newer of its own
+        scrape and Redis's entry; None when neither is fresh. O(1): a request reads the
+        pods it considers, not the table."""
+        own, shared = self._rows.get(pod), self._shared.get(pod)
+        row = shared
+        if own is not None and (shared is None or own[0] >= shared["ts_ms"]):
+            ts, m = own
+            row = {"waiting": m.waiting, "running": m.running, "kv_usage": m.kv_usage,
+                   "ts_ms": ts}
+        return row if row is not None and now_ms - row["ts_ms"] < self.ttl_ms else None
+
     def fresh(self, now_ms: float) -> dict[str, dict[str, float]]:
-        """Unexpired loads, shaped like the Redis load entries: per pod the newer of
-        its own scrape and Redis's entry."""
-        out = {pod: {"waiting": m.waiting, "running": m.running, "kv_usage": m.kv_usage,
-                     "ts_ms": ts} for pod, (ts, m) in self._rows.items()}
-        for pod, row in self._shared.items():
-            if pod not in out or row["ts_ms"] > out[pod]["ts_ms"]:
-                out[pod] = row
-        return {pod: row for pod, row in out.items() if now_ms - row["ts_ms"] < self.ttl_ms}
+        """`row` of every pod that has a fresh one."""
+        rows = {pod: self.row(pod, now_ms) for pod in {*self._rows, *self._shared}}
+        return {pod: row for pod, row in rows.items() if row is not None}

@@ -108,12 +108,11 @@ class Router:
             c.prompt_tokens = len(token_ids)
         shared_loads = await self._fill_hits(cands, keys_by)
         now = time.time() * 1000.0
-        loads = shared_loads
-        if loads is None or any(c.pod not in loads for c in cands):
-            # Redis down, or without some pod's entry: local scrapes fill the gaps
-            loads = {**self.loads.fresh(now), **(loads or {})}
         for c in cands:
-            row = loads.get(c.pod)
+            # Redis's entry (with the lookup); Redis down or without it: the local one
+            row = shared_loads.get(c.pod) if shared_loads is not None else None
+            if row is None:
+                row = self.loads.row(c.pod, now)
             if row is not None and now - row["ts_ms"] < self.loads.ttl_ms:
                 c.waiting, c.running, c.kv_usage = row["waiting"], row["running"], row["kv_usage"]
             c.inflight = self.pods.inflight(c.pod)

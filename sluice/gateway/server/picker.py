@@ -134,13 +134,14 @@ class EndpointPicker:
         core.metrics.decided(d.strategy, d.pod, d.hit_blocks, d.total_blocks)
         if r.outcome != pd.NO_ROLES:
             core.metrics.pd_decided(r.outcome)
-        return Pick(dataclasses.replace(d, fallbacks=d.fallbacks[:self.cfg.max_fallbacks]),
-                    r.prefill, r.outcome)
+        if len(d.fallbacks) > self.cfg.max_fallbacks:
+            d = dataclasses.replace(d, fallbacks=d.fallbacks[:self.cfg.max_fallbacks])
+        return Pick(d, r.prefill, r.outcome)
 
     def _saturated(self, pods: list[str]) -> bool:
-        fresh = self.core.loads.fresh(time.time() * 1000)
-        rows = [fresh.get(p) for p in pods]
-        return all(r is not None and r["waiting"] >= self.cfg.shed_waiting for r in rows)
+        loads, now_ms, limit = self.core.loads, time.time() * 1000, self.cfg.shed_waiting
+        return all((r := loads.row(p, now_ms)) is not None and r["waiting"] >= limit
+                   for p in pods)
 
     async def _token_ids(self, kind: str, data: dict, size: int, pods: list[str],
                          for_pd: bool = False) -> list[int] | None:

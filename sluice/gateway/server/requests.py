@@ -31,7 +31,7 @@ class BadRequest(ValueError):
 def parse_request(kind: str, body: bytes) -> dict[str, Any]:
     """`kind`: "chat" or "completion"."""
     try:
-        data = json.loads(body, parse_constant=_not_json)
+        data = _DECODER.decode(body.decode(json.detect_encoding(body), "surrogatepass"))
     except (ValueError, UnicodeDecodeError, RecursionError) as err:
         raise BadRequest(f"request body is not valid JSON: {err}") from None
     if not isinstance(data, dict):
@@ -86,3 +86,8 @@ def _is_prompt(p: Any) -> bool:
 
 def _not_json(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
+
+
+# json.loads(body, parse_constant=...) builds a decoder per call (~5 us); this is its one
+# decoder, fed as json.loads feeds it (UTF-8, -16 or -32, detected).
+_DECODER = json.JSONDecoder(parse_constant=_not_json)
