@@ -18,6 +18,8 @@ import os
 from sluice.gateway.server.cli import LISTENER_EXPERIMENT, run_loop
 
 
+# gRPC (and the stubs that import it) loads inside the functions: main sets
+# GRPC_EXPERIMENTS first, as `sluice epp` does.
 def _servicer(endpoint: str):
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
