@@ -97,6 +97,9 @@ def test_overhead_benchmark_runs_end_to_end():
     kv, rr = report["envoy_picker_gateway_routing_ms_mean"], \
         report["envoy_picker_rr_gateway_routing_ms_mean"]
     assert 0 < rr < kv < report["envoy_picker_ms_p99"]
+    # tokenization is its first part, and round robin never tokenizes
+    assert 0 < report["envoy_picker_gateway_tokenize_ms_mean"] < kv
+    assert report["envoy_picker_rr_gateway_tokenize_ms_mean"] == 0
     # the picker process's CPU over the measured requests (Linux /proc), per request; the
     # do-nothing picker's too, and it has no routing histogram
     for p in ("envoy_stub", "envoy_picker"):

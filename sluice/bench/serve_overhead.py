@@ -24,9 +24,12 @@ figures pool its parts. The processes of the paths not measured meanwhile stay u
 idle (a picker with nothing to route uses ~1 % of a core: its scrapes and probes).
 
 It reports each path's latency percentiles and their difference to `direct` (and
-the p50 difference of each round, which shows the drift), the routing process's
-mean routing time (its histogram) and its CPU time per request, and Envoy's (from
-/proc: steadier than latency on shared cores).
+the p50 difference of each round, which shows the drift), the picker's mean routing
+and tokenization times (its histograms) and its CPU time per request, and Envoy's (from
+/proc: steadier than latency on shared cores). The breakdown, from one run: the Envoy
+hop is `envoy`; the gRPC stream `envoy_stub` minus that; the picker's request handling
+`envoy_picker_rr` minus the stub; tokenization, then index lookup and scoring, the
+routing histograms of `envoy_picker`.
 `--phases` adds Envoy's own timing of each ext_proc exchange (its access log:
 request headers, request body, response headers, in us) and of the request and
 response paths through it (first byte in to first byte out, us).

@@ -27,6 +27,10 @@ class GatewayMetrics:
         self.route_seconds = Histogram("sluice_gateway_routing_seconds",
                                        "Tokenize + index lookup + scoring", registry=r,
                                        buckets=_LAT)
+        self.tokenize_seconds = Histogram(  # (the first part of routing_seconds)
+            "sluice_gateway_tokenize_seconds",
+            "Prompt tokenization (own tokenizer, else a pod's /tokenize)", registry=r,
+            buckets=_LAT)
         self.errors = Counter(  # kinds: bad_request, not_found, unknown_model, tokenize,
             # no_pod, shed, rate_limited, unauthorized (Envoy counts the upstream's own)
             "sluice_gateway_errors", "Errors by kind", ["kind"], registry=r)

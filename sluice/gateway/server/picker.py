@@ -152,6 +152,7 @@ class EndpointPicker:
         core = self.core
         if not core.strategy.uses_prompt and not for_pd:
             return None
+        started = time.perf_counter()
         try:
             if size > INLINE_TOKENIZE_BYTES:
                 ids = await asyncio.to_thread(core.tokenizer.token_ids, kind, data)
@@ -162,6 +163,7 @@ class EndpointPicker:
         except Exception as err:  # noqa: BLE001 -- the engine judges the prompt itself
             ids = None
             log.debug("tokenization failed (%s); routing without prefix", err)
+        core.metrics.tokenize_seconds.observe(time.perf_counter() - started)
         if ids is None:
             core.metrics.errors.labels("tokenize").inc()
         return ids
