@@ -61,3 +61,46 @@ def tiny_chat_model(tmp_path_factory) -> Path:
     from hf_models import save_tiny_chat_model
 
     return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat") / "tiny-chat")
+
+
+@pytest.fixture(scope="session")
+def kube_plane(tmp_path_factory):
+    """A real etcd + kube-apiserver for the session (tests/kube_api.py), with the
+    InferencePool CRD established."""
+    from kube_api import control_plane
+
+    with control_plane(tmp_path_factory.mktemp("kube")) as plane:
+        from sluice.operator import crd
+
+        plane.kubectl("apply", "--server-side", "-f", str(crd.CRD_PATHS[0]))
+        plane.kubectl("wait", "--for=condition=Established", "--timeout=30s",
+                      f"crd/{crd.CRD_NAME}")
+        plane.forget_discovery()
+        yield plane
+
+
+@pytest.fixture(scope="session")
+def kube_controllers(kube_plane):
+    """kube_plane plus kube-controller-manager: garbage collection, Deployments ->
+    ReplicaSets -> Pods, namespace deletion."""
+    kube_plane.start_controllers()
+    return kube_plane
+
+
+@pytest.fixture
+def kube_ns(kube_plane, request) -> str:
+    """A namespace of the test's own on the real API server, removed after it with
+    everything in it (finalizers the test left on its pools included)."""
+    import re
+    import secrets
+
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-")
+    ns = f"{name}-{secrets.token_hex(3)}"
+    kube_plane.kubectl("create", "namespace", ns)
+    yield ns
+    pools = kube_plane.kubectl("get", "inferencepools.sluice.dev", "-n", ns, "-o", "name",
+                               check=False).stdout.split()
+    for pool in pools:
+        kube_plane.kubectl("patch", pool, "-n", ns, "--type=merge",
+                           "-p", '{"metadata":{"finalizers":null}}', check=False)
+    kube_plane.kubectl("delete", "namespace", ns, "--wait=false", check=False)

@@ -60,8 +60,8 @@ def render_crd() -> dict[str, Any]:
         "properties": {
             "apiVersion": {"type": "string", "description": "sluice.dev/v1alpha1"},
             "kind": {"type": "string", "description": "InferencePool"},
-            "metadata": {"type": "object", "description": "Standard object metadata; the "
-                         f"name is at most {MAX_NAME_LENGTH} characters."},
+            # a structural schema allows nothing but the type at the root's metadata
+            "metadata": {"type": "object"},
             "spec": crd_schema.spec_schema(),
             "status": crd_status.status_schema(),
         },

@@ -27,11 +27,18 @@ PERCENT_PATTERN = r"^[0-9]+%$"
 
 
 def obj(description: str, properties: Schema, required: list[str] | None = None,
-         **extra: Any) -> Schema:
+         defaulted: bool = False, **extra: Any) -> Schema:
+    """An object schema. `defaulted`: an absent object defaults to its fields' defaults.
+
+    That default is spelled out rather than `{}`: the API server checks a default against
+    the object's CEL rules before the nested defaults fill it, so `{}` fails every rule
+    that reads a defaulted field ("no such key")."""
     schema: Schema = {"type": "object", "description": description, "properties": properties,
                       **extra}
     if required:
         schema["required"] = required
+    if defaulted:
+        schema["default"] = {k: v["default"] for k, v in properties.items() if "default" in v}
     return schema
 
 
@@ -97,7 +104,7 @@ def autoscaling_schema() -> Schema:
                 "integer", "A scale-down goes to the highest recommendation of this window.",
                 minimum=0, maximum=3600, default=300),
         },
-        default={},
+        defaulted=True,
         **_rules(cel("self.minReplicas <= self.maxReplicas",
                      "autoscaling.minReplicas must be <= autoscaling.maxReplicas")),
     )
@@ -180,7 +187,7 @@ def engine_schema() -> Schema:
             "env": prop("array", "Extra environment variables.", items=env_var),
             "speculative": speculative_schema(),
         },
-        default={},
+        defaulted=True,
         **_rules(cel("self.kind == 'sluice' || !has(self.kvCacheMemory)",
                      "engine.kvCacheMemory is only for kind sluice"),
                  cel("self.kind == 'sluice' || !has(self.speculative) || "
@@ -225,7 +232,7 @@ def rollout_schema() -> Schema:
                                     "a percentage).", default=1),
          "maxUnavailable": int_or_percent("Engines stopped below the desired count (a "
                                           "number or a percentage).", default=0)},
-        default={},
+        defaulted=True,
         **_rules(cel("!(string(self.maxSurge) in ['0', '0%'] && "
                      "string(self.maxUnavailable) in ['0', '0%'])",
                      "rollout.maxSurge and rollout.maxUnavailable cannot both be 0")))
@@ -240,7 +247,7 @@ def disruption_schema() -> Schema:
                                           "when minAvailable is not set)."),
          "minAvailable": int_or_percent("Engines that must stay (instead of "
                                         "maxUnavailable).")},
-        default={},
+        defaulted=True,
         **_rules(cel("!(has(self.maxUnavailable) && has(self.minAvailable))",
                      "podDisruptionBudget: set maxUnavailable or minAvailable, not both")))
 
@@ -268,7 +275,7 @@ def spec_schema() -> Schema:
                 "sizeLimit": quantity("Size of the emptyDir cache.", default="20Gi"),
                 "claimName": prop("string", "A PersistentVolumeClaim instead of the "
                                     "emptyDir (shared by the replicas, kept across restarts).")},
-                default={}),
+                defaulted=True),
             "nodeSelector": {"type": "object", "description": "The pods' nodeSelector.",
                              "additionalProperties": prop("string", "A node label's value.")},
             "tolerations": prop("array", "The pods' tolerations.",

