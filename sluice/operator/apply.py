@@ -1,12 +1,14 @@
-"""Apply desired children idempotently: create what is missing, replace what drifted,
+"""Apply desired children idempotently: create what is missing, re-apply what drifted,
 delete what is no longer desired. Never touches objects the pool does not own.
 
 Contract of `apply_child`: after it returns, the live object's spec, labels and
-ownerReferences equal the desired ones (up to server-side defaults). Updates are
-full replacements (PUT) carrying the live `resourceVersion`, so a concurrent writer
-makes the API server answer 409; the child is then re-read and compared again, up
-to `MAX_ATTEMPTS` times. A child edited by hand (drift) differs from the desired
-object and is replaced; a child deleted by hand is recreated.
+ownerReferences hold the desired values (up to server-side defaults). Writes are
+server-side applies under the operator's field manager, forced: the operator is the
+authority on the fields it renders, and a field it stops rendering is removed, while
+fields other managers own (an HPA's replicas aside, a label someone added) are kept. A
+child edited by hand (drift) differs from the desired object and is applied again; a
+child deleted by hand is recreated. The ownership check reads first: an object of the
+same name that this pool does not control is reported, never taken over.
 
 A write the API server refuses for good (422 invalid, 403 quota or admission, 400) is
 not raised: `apply_all` reports it as a `ChildRejected` problem carrying the server's
@@ -29,7 +31,6 @@ from sluice import labels
 from sluice.operator import kube
 from sluice.operator.render import Manifest
 
-MAX_ATTEMPTS = 5
 OWNED_KINDS = (kube.DEPLOYMENTS, kube.PDBS, kube.SERVICES)
 
 
@@ -87,18 +88,6 @@ def needs_update(desired: Manifest, live: dict[str, Any], spec_unchanged: bool =
                 and is_subset(dm["ownerReferences"], lm.get("ownerReferences") or []))
 
 
-def replacement(desired: Manifest, live: dict[str, Any]) -> dict[str, Any]:
-    """The PUT body: desired spec and our labels/annotations over the live metadata."""
-    meta = dict(live.get("metadata", {}))
-    meta["labels"] = {**(meta.get("labels") or {}), **desired["metadata"]["labels"]}
-    meta["annotations"] = {**(meta.get("annotations") or {}),
-                           **desired["metadata"]["annotations"]}
-    meta["ownerReferences"] = desired["metadata"]["ownerReferences"]
-    body = {"apiVersion": desired["apiVersion"], "kind": desired["kind"],
-            "metadata": meta, "spec": desired["spec"]}
-    return body
-
-
 async def apply_child(client: kube.KubeClient, desired: Manifest, owner_uid: str,
                       memo: AppliedMemo | None = None) -> tuple[str, dict[str, Any]]:
     """Make one child match `desired`; returns ("created" | "updated" | "unchanged", the
@@ -108,34 +97,20 @@ async def apply_child(client: kube.KubeClient, desired: Manifest, owner_uid: str
     key = (desired["kind"], ns, name)
     memo = {} if memo is None else memo
     want_hash = desired["metadata"]["annotations"][labels.SPEC_HASH_ANNOTATION]
-    last_error: Exception | None = None
-    for _ in range(MAX_ATTEMPTS):
-        try:
-            live = await client.get(ref, ns, name)
-        except kube.NotFound:
-            try:
-                created = await client.create(ref, ns, desired)
-                memo[key] = _marker(created)
-                return "created", created
-            except kube.Conflict as e:  # created concurrently: compare with it instead
-                last_error = e
-                continue
+    try:
+        live: dict[str, Any] | None = await client.get(ref, ns, name)
+    except kube.NotFound:
+        live = None
+    if live is not None:
         if not owned_by(live, owner_uid):
             raise NotOwned(f"{desired['kind']} {ns}/{name} exists and is not owned by this pool")
         marker = _marker(live)
         if not needs_update(desired, live, memo.get(key) == marker and marker[2] == want_hash):
             memo[key] = marker
             return "unchanged", live
-        try:
-            updated = await client.replace(ref, ns, name, replacement(desired, live))
-            memo[key] = _marker(updated)
-            return "updated", updated
-        except kube.Conflict as e:  # a concurrent writer won: re-read and retry
-            last_error = e
-        except kube.NotFound as e:  # deleted between the read and the write
-            last_error = e
-    assert last_error is not None
-    raise last_error
+    applied = await client.apply(ref, ns, desired)
+    memo[key] = _marker(applied)
+    return ("created" if live is None else "updated"), applied
 
 
 async def prune(client: kube.KubeClient, namespace: str, pool: str, owner_uid: str,

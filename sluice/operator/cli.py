@@ -12,7 +12,6 @@ import asyncio
 import logging
 import os
 import random
-from typing import Any
 
 from sluice.operator.config import OperatorConfig
 from sluice.operator.render import RenderConfig
@@ -94,27 +93,22 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
     )
 
 
-def login() -> Any:
-    """ServiceAccount in a pod (its token re-read as it rotates), else the kubeconfig."""
-    import kopf
-
-    from sluice.operator.credentials import Login, service_account_login
-
-    settings = kopf.OperatorSettings()
-    found = service_account_login(settings)
-    if found is not None:
-        return found
-    info = kopf.login_with_kubeconfig(settings=settings)
-    if info is None:
-        raise SystemExit("sluice operator: no ServiceAccount token and no kubeconfig found")
-    return Login(info)
-
-
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    from kubernetes_asyncio.config import ConfigException
+
+    from sluice.operator import credentials
     from sluice.operator.runtime import run
 
-    asyncio.run(run(config_from_args(args), login()))
+    async def main_async() -> None:
+        try:
+            configuration = await credentials.load()
+        except ConfigException as e:
+            raise SystemExit(f"sluice operator: no ServiceAccount token and no usable "
+                             f"kubeconfig ({e})") from None
+        await run(config_from_args(args), configuration)
+
+    asyncio.run(main_async())
     return 0

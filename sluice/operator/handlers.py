@@ -20,14 +20,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import kopf
+from kubernetes_asyncio import client as k8s
 
 from sluice import labels
-from sluice.operator import cleanup, crd, kube
+from sluice.operator import cleanup, crd, credentials, kube
 from sluice.operator.autoscaler import Autoscaler
 from sluice.operator.config import OperatorConfig
-from sluice.operator.credentials import Login
 from sluice.operator.reconciler import EventSink, Reconciler
 from sluice.operator.retry import Retrier
 from sluice.operator.ticker import Ticker
@@ -43,7 +42,7 @@ PURGE_ATTEMPTS = 5
 @dataclass
 class Runtime:
     config: OperatorConfig
-    login: Login
+    configuration: k8s.Configuration  # the operator's identity, shared with kopf
     client: kube.KubeClient
     events: EventSink
     reconciler: Reconciler
@@ -79,16 +78,18 @@ def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
 
 def register(registry: kopf.OperatorRegistry, rt: Runtime) -> kopf.OperatorRegistry:
     @kopf.on.login(registry=registry)
-    def _login(**_: Any) -> kopf.ConnectionInfo:
-        return rt.login.connection()  # re-reads a rotated ServiceAccount token
+    async def _login(**_: Any) -> kopf.ConnectionInfo:
+        return await credentials.kopf_connection(rt.configuration)  # a rotated token too
 
-    @kopf.on.resume(*POOL, registry=registry)
-    @kopf.on.create(*POOL, registry=registry)
-    @kopf.on.update(*POOL, registry=registry)
+    # Explicit ids: kopf names its progress annotations after them (`sluice.dev/<id>`),
+    # and a function's own name (`_pool_changed`, `f.<locals>.g`) is no valid annotation key.
+    @kopf.on.resume(*POOL, id="pool", registry=registry)
+    @kopf.on.create(*POOL, id="pool", registry=registry)
+    @kopf.on.update(*POOL, id="pool", registry=registry)
     async def _pool_changed(body: kopf.Body, retry: int, **_: Any) -> None:
         try:
             await rt.reconciler.reconcile(dict(body))
-        except (kube.ApiError, httpx.TransportError) as e:
+        except (kube.ApiError, *kube.TRANSPORT_ERRORS) as e:
             raise kopf.TemporaryError(f"API error while reconciling: {e}",
                                       delay=rt.retrier.backoff.delay(retry)) from e
 
@@ -110,7 +111,7 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> kopf.OperatorRegis
 
 def _register_index_cleanup(registry: kopf.OperatorRegistry, rt: Runtime,
                             purge: cleanup.IndexPurger) -> None:
-    @kopf.on.delete(*POOL, backoff=5, registry=registry)
+    @kopf.on.delete(*POOL, id="index-cleanup", backoff=5, registry=registry)
     async def _pool_deleted(body: kopf.Body, namespace: str, name: str, retry: int,
                             **_: Any) -> None:
         endpoints = list((body.get("status") or {}).get("endpoints") or [])

@@ -1,28 +1,32 @@
-"""A small async Kubernetes REST client (httpx) for the operator's own reads and writes.
+"""The operator's Kubernetes client: `kubernetes_asyncio`, the official client's asyncio
+port, over the resources the operator reads and writes.
 
-kopf brings its own client for watching and for patching the objects it handles;
-this one creates, patches and deletes children and writes pool status. It uses the
-connection kopf logged in with (`kopf.ConnectionInfo`), so both agree on the cluster.
-Writes are JSON merge patches (RFC 7386) carrying `metadata.resourceVersion` when the
-caller wants optimistic concurrency; the API server answers 409 on a stale version.
-Bearer tokens are never logged; a ServiceAccount token is re-read as it rotates
-(`credentials.py`).
+kopf brings its own client for watching and for patching the objects it handles; this
+one applies, patches and deletes children and writes pool status. Children are written
+with server-side apply under the field manager `sluice-operator`, so the API server
+merges our fields with everyone else's and says who owns what (`managedFields`); other
+writes carry the same field manager.
 
 Errors split in two (`is_transient`): what may pass if asked again (409, 429, 5xx, a lost
-connection) is retried with backoff; what the API server refused for good (400, 403, 404
-on a create, 422) becomes a Degraded condition with its message.
+connection, a timeout) is retried with backoff; what the API server refused for good
+(400, 403, 404 on a create, 422) becomes a Degraded condition with its message.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
+from kubernetes_asyncio import client as k8s
 
-MERGE_PATCH = "application/merge-patch+json"
+FIELD_MANAGER = "sluice-operator"
 USER_AGENT = "sluice-operator/0.1.0"
+MERGE_PATCH = "application/merge-patch+json"
+APPLY_PATCH = "application/apply-patch+yaml"  # JSON is YAML: the body is sent as JSON
 
 
 @dataclass(frozen=True)
@@ -73,86 +77,103 @@ class NotFound(ApiError):
 
 
 class Conflict(ApiError):
-    """409: AlreadyExists on create, or a stale resourceVersion on update."""
+    """409: AlreadyExists on create, a stale resourceVersion, or an apply conflict."""
+
+
+# A request that never got an answer: the connection failed, or no answer came in time.
+TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
 
 def is_transient(error: BaseException) -> bool:
     """Worth another try: a conflict, throttling, an API server or network failure."""
-    if isinstance(error, httpx.TransportError):
+    if isinstance(error, TRANSPORT_ERRORS):
         return True
     return isinstance(error, ApiError) and (error.status in (409, 429) or error.status >= 500)
 
 
-def _raise_for(response: httpx.Response) -> None:
-    if response.status_code < 400:
-        return
+def _api_error(e: k8s.ApiException) -> ApiError:
     try:
-        body = response.json()
+        body = json.loads(e.body or b"{}")
     except ValueError:
         body = {}
-    reason = str(body.get("reason") or response.reason_phrase)
-    message = str(body.get("message") or response.text[:200])
-    cls = {404: NotFound, 409: Conflict}.get(response.status_code, ApiError)
-    raise cls(response.status_code, reason, message)
+    status = int(e.status or 0)
+    reason = str(body.get("reason") or e.reason or "")
+    message = str(body.get("message") or (e.body or b"")[:200])
+    cls = {404: NotFound, 409: Conflict}.get(status, ApiError)
+    return cls(status, reason, message)
 
 
 class KubeClient:
-    """CRUD on namespaced resources. One instance per operator process."""
+    """Reads and writes by `ResourceRef`. One instance per operator process."""
 
-    def __init__(self, http: httpx.AsyncClient):
-        self._http = http
+    def __init__(self, api: k8s.ApiClient, field_manager: str = FIELD_MANAGER,
+                 timeout_s: float = 30.0):
+        self._api, self.field_manager, self.timeout_s = api, field_manager, timeout_s
+        api.user_agent = USER_AGENT
 
     @classmethod
-    def from_connection(cls, info: Any, timeout: float = 30.0,
-                        auth: httpx.Auth | None = None) -> KubeClient:
-        """Build from a `kopf.ConnectionInfo` (server, CA, token or client certificate);
-        kopf turns it into TLS settings and auth headers the same way for its own client.
-        `auth` (a rotating token, `credentials.TokenAuth`) replaces the info's token."""
-        verify: Any = info.as_ssl_context() if info.server.startswith("https") else True
+    def from_configuration(cls, configuration: k8s.Configuration,
+                           field_manager: str = FIELD_MANAGER) -> KubeClient:
         # Up to 16 reconcile passes run at once (Reconciler.max_concurrent) plus the loop:
-        # keep that many connections alive (no connect per request), and no more (httpx
-        # scans its pool on every request).
-        limits = httpx.Limits(max_connections=24, max_keepalive_connections=24)
-        headers = {**(info.as_http_headers() if auth is None else {}), "User-Agent": USER_AGENT}
-        http = httpx.AsyncClient(base_url=info.server, verify=verify, limits=limits,
-                                 headers=headers, timeout=timeout, auth=auth)
-        return cls(http)
+        # keep that many connections alive, so none waits for another's.
+        configuration.connection_pool_maxsize = 24
+        return cls(k8s.ApiClient(configuration), field_manager)
 
     async def close(self) -> None:
-        await self._http.aclose()
+        await self._api.close()
 
-    async def _request(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
-        response = await self._http.request(method, path, **kwargs)
-        _raise_for(response)
-        return response.json() if response.content else {}
+    async def _call(self, method: str, path: str, *, query: list[tuple[str, Any]] | None = None,
+                    body: Any = None, content_type: str = "application/json") -> Any:
+        try:
+            return await self._api.call_api(
+                path, method, query_params=query or [],
+                header_params={"Accept": "application/json", "Content-Type": content_type},
+                body=body, response_types_map={200: "object", 201: "object", 202: "object"},
+                auth_settings=["BearerToken"], _return_http_data_only=True,
+                _request_timeout=self.timeout_s)
+        except k8s.ApiException as e:
+            raise _api_error(e) from None
+
+    def _manager(self) -> list[tuple[str, Any]]:
+        return [("fieldManager", self.field_manager)]
 
     async def get(self, ref: ResourceRef, namespace: str | None, name: str,
                   subresource: str | None = None) -> dict[str, Any]:
-        return await self._request("GET", ref.path(namespace, name, subresource))
+        return await self._call("GET", ref.path(namespace, name, subresource))
 
     async def list(self, ref: ResourceRef, namespace: str | None,
                    label_selector: str | None = None) -> list[dict[str, Any]]:
-        params = {"labelSelector": label_selector} if label_selector else {}
-        body = await self._request("GET", ref.path(namespace), params=params)
+        query = [("labelSelector", label_selector)] if label_selector else []
+        body = await self._call("GET", ref.path(namespace), query=query)
         return list(body.get("items") or [])
 
     async def create(self, ref: ResourceRef, namespace: str | None,
                      body: Mapping[str, Any]) -> dict[str, Any]:
-        return await self._request("POST", ref.path(namespace), json=body)
+        return await self._call("POST", ref.path(namespace), query=self._manager(), body=body)
+
+    async def apply(self, ref: ResourceRef, namespace: str | None,
+                    body: Mapping[str, Any]) -> dict[str, Any]:
+        """Server-side apply of `body` (the fields this manager owns), taking over fields
+        another manager set (`force`: the operator is the authority on its children)."""
+        query = [*self._manager(), ("force", "true")]
+        return await self._call("PATCH", ref.path(namespace, body["metadata"]["name"]),
+                                query=query, body=body, content_type=APPLY_PATCH)
 
     async def patch(self, ref: ResourceRef, namespace: str | None, name: str,
                     patch: Mapping[str, Any], subresource: str | None = None) -> dict[str, Any]:
-        return await self._request("PATCH", ref.path(namespace, name, subresource),
-                                   json=patch, headers={"Content-Type": MERGE_PATCH})
+        """A JSON merge patch (RFC 7386)."""
+        return await self._call("PATCH", ref.path(namespace, name, subresource),
+                                query=self._manager(), body=patch, content_type=MERGE_PATCH)
 
     async def replace(self, ref: ResourceRef, namespace: str | None, name: str,
                       body: Mapping[str, Any]) -> dict[str, Any]:
         """PUT: full replacement; 409 when body's metadata.resourceVersion is stale."""
-        return await self._request("PUT", ref.path(namespace, name), json=body)
+        return await self._call("PUT", ref.path(namespace, name), query=self._manager(),
+                                body=body)
 
     async def delete(self, ref: ResourceRef, namespace: str | None, name: str) -> None:
         try:
-            await self._request("DELETE", ref.path(namespace, name),
-                                json={"propagationPolicy": "Background"})
+            await self._call("DELETE", ref.path(namespace, name),
+                             body={"propagationPolicy": "Background"})
         except NotFound:
             pass

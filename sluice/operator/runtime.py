@@ -1,8 +1,9 @@
 """Assemble the operator (client, reconciler, autoscaler, purger, retrier, periodic loop,
 kopf registry) and run it.
 
-`run()` is what `sluice operator` executes; tests call it with the emulator's
-connection, a stop flag and fakes for the metrics sampler and the index purger.
+`run()` is what `sluice operator` executes; tests call it with a configuration for a
+ServiceAccount's token on a real API server, a stop flag and fakes for the metrics
+sampler and the index purger.
 """
 
 from __future__ import annotations
@@ -14,24 +15,23 @@ from typing import Any
 
 import httpx
 import kopf
+from kubernetes_asyncio import client as k8s
 
 from sluice.operator import cleanup, handlers, kube, metrics, redis_load
 from sluice.operator.autoscaler import Autoscaler, Sampler
 from sluice.operator.config import OperatorConfig
-from sluice.operator.credentials import Login
 from sluice.operator.events import EventPoster
 from sluice.operator.reconciler import EventSink, Reconciler
 from sluice.operator.retry import Retrier
 from sluice.operator.ticker import Ticker
 
 
-def build_runtime(config: OperatorConfig, login: Login | kopf.ConnectionInfo, *,
+def build_runtime(config: OperatorConfig, configuration: k8s.Configuration, *,
                   purge: cleanup.IndexPurger | None = None, sampler: Sampler | None = None,
                   events: EventSink | None = None) -> handlers.Runtime:
-    """`purge` None: the Redis purger when `config.redis_url` is set, else no index cleanup
-    (and no finalizer)."""
-    login = login if isinstance(login, Login) else Login(login)
-    client = kube.KubeClient.from_connection(login.info, auth=login.http_auth())
+    """`configuration`: the cluster and identity (`credentials.load`). `purge` None: the
+    Redis purger when `config.redis_url` is set, else no index cleanup (and no finalizer)."""
+    client = kube.KubeClient.from_configuration(configuration)
     if sampler is None:
         http = httpx.AsyncClient()
         sampler = functools.partial(_sample, http, config.metrics_timeout_s)
@@ -43,7 +43,7 @@ def build_runtime(config: OperatorConfig, login: Login | kopf.ConnectionInfo, *,
     reconciler = Reconciler(client, config.render, events, gie=config.gie)
     autoscaler = Autoscaler(client, sampler, events)
     return handlers.Runtime(
-        config=config, login=login, client=client, events=events, reconciler=reconciler,
+        config=config, configuration=configuration, client=client, events=events, reconciler=reconciler,
         autoscaler=autoscaler, purge=purge, retrier=Retrier(config.backoff),
         ticker=Ticker(client, config, reconciler, autoscaler))
 
@@ -53,13 +53,13 @@ async def _sample(http: httpx.AsyncClient, timeout: float, endpoints: list[dict[
     return await metrics.sample_pool(http, endpoints, role, timeout)
 
 
-async def run(config: OperatorConfig, login: Login | kopf.ConnectionInfo, *,
+async def run(config: OperatorConfig, configuration: k8s.Configuration, *,
               runtime: handlers.Runtime | None = None,
               stop_flag: asyncio.Event | None = None,
               ready_flag: asyncio.Event | None = None,
               settings: kopf.OperatorSettings | None = None) -> None:
     """Run until `stop_flag` (or a signal). `settings`: kopf tunables beyond `config`."""
-    rt = runtime or build_runtime(config, login)
+    rt = runtime or build_runtime(config, configuration)
     registry = handlers.register(kopf.OperatorRegistry(), rt)
     settings = settings or kopf.OperatorSettings()
     handlers.configure(settings, config)
