@@ -96,7 +96,7 @@ def kube_ns(kube_plane, request) -> str:
 
     name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-")
     ns = f"{name}-{secrets.token_hex(3)}"
-    kube_plane.kubectl("create", "namespace", ns)
+    kube_plane.create_namespace(ns)
     yield ns
     pools = kube_plane.kubectl("get", "inferencepools.sluice.dev", "-n", ns, "-o", "name",
                                check=False).stdout.split()

@@ -218,6 +218,13 @@ class ControlPlane:
                                f"{done.stderr.strip()}")
         return done
 
+    def create_namespace(self, name: str) -> None:
+        """A namespace where pods can be created at once: with its `default` ServiceAccount
+        (ServiceAccount admission needs it; kube-controller-manager makes it too, when it
+        runs, so either may come first)."""
+        self.kubectl("create", "namespace", name)
+        self.kubectl("create", "serviceaccount", "default", "-n", name, check=False)
+
     def forget_discovery(self) -> None:
         """Drop kubectl's cached API discovery: new resource types (CRDs) show up at once."""
         shutil.rmtree(self.root / "kubectl-cache", ignore_errors=True)

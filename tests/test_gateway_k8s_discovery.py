@@ -1,77 +1,40 @@
-"""Kubernetes discovery against a fake CoreV1 API + watch (same call shapes as the
-`kubernetes` client: list_namespaced_pod / list_pod_for_all_namespaces,
-Watch().stream(list_fn, [ns], ...)), in one, several or every namespace."""
+"""Kubernetes discovery against the real kube-apiserver: engine pods listed then watched
+in one, several or every namespace, a watch that expires re-lists, and an API error (a
+ServiceAccount not yet allowed to list pods) is retried until it passes."""
 
 import asyncio
-import queue
+import secrets
 
 import pytest
+from k8s_harness import client, eventually
 
+from sluice import kube_config
 from sluice.gateway.discovery.kubernetes import (
     KubernetesDiscovery,
     parse_namespaces,
     pod_endpoint,
 )
+from sluice.operator import kube
 
 
-def pod(name, ip, ready=True, pool="p1", deleting=False, http=8000, namespace=None):
-    return {"metadata": {"name": name, "namespace": namespace,
+def pod(name, ip=None, ready=True, pool="p1", http=8000, namespace="ns"):
+    """An engine pod as the API server returns it (`ip` None: not started)."""
+    body = {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": namespace,
                          "labels": {"app.kubernetes.io/name": "sluice-engine",
                                     "sluice.dev/pool": pool},
-                         "annotations": {"sluice.dev/model": "Qwen/Qwen3-0.6B"},
-                         "deletion_timestamp": "now" if deleting else None},
-            "spec": {"containers": [{"ports": [{"name": "http", "container_port": http},
-                                               {"name": "kv-events", "container_port": 5557}]}]},
-            "status": {"pod_ip": ip, "conditions": [{"type": "Ready",
-                                                     "status": "True" if ready else "False"}]}}
+                         "annotations": {"sluice.dev/model": "Qwen/Qwen3-0.6B"}},
+            "spec": {"containers": [{"name": "engine", "image": "sluice-engine:test",
+                                     "ports": [{"name": "http", "containerPort": http},
+                                               {"name": "kv-events", "containerPort": 5557}]}]}}
+    if ip:
+        body["status"] = status(ip, ready)
+    return body
 
 
-class FakeAPI:
-    """`pods`: the pods of its one namespace, or {namespace: pods}; one event queue per
-    namespace (None: the all-namespaces watch)."""
-
-    def __init__(self, pods):
-        self.pods = pods
-        self.lists = []
-        self.queues: dict = {}
-
-    def events(self, namespace=None) -> queue.Queue:
-        return self.queues.setdefault(namespace, queue.Queue())
-
-    def _items(self, namespace):
-        if isinstance(self.pods, dict):
-            return [p for ns, pods in self.pods.items() if namespace in (None, ns) for p in pods]
-        return list(self.pods)
-
-    def list_namespaced_pod(self, namespace, label_selector=None, **kw):
-        self.lists.append((namespace, label_selector))
-        return {"items": self._items(namespace), "metadata": {"resource_version": "7"}}
-
-    def list_pod_for_all_namespaces(self, label_selector=None, **kw):
-        self.lists.append(("*", label_selector))
-        return {"items": self._items(None), "metadata": {"resource_version": "7"}}
-
-
-class FakeWatch:
-    def __init__(self, api):
-        self.api = api
-        self.stopped = False
-
-    def stream(self, fn, *namespace, **kw):
-        assert fn in (self.api.list_namespaced_pod, self.api.list_pod_for_all_namespaces)
-        assert kw["resource_version"] == "7"
-        events = self.api.events(namespace[0] if namespace else None)
-        while not self.stopped:
-            try:
-                ev = events.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            if isinstance(ev, Exception):
-                raise ev
-            yield ev
-
-    def stop(self):
-        self.stopped = True
+def status(ip, ready=True):
+    return {"phase": "Running", "podIP": ip,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
 
 
 def test_pod_endpoint_rules():
@@ -80,86 +43,175 @@ def test_pod_endpoint_rules():
         "10.0.0.5:8001", "http://10.0.0.5:8001", "Qwen/Qwen3-0.6B", "p1",
         "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558")
     assert pod_endpoint(pod("a", "10.0.0.5", ready=False), "ns") is None
-    assert pod_endpoint(pod("a", None), "ns") is None
-    assert pod_endpoint(pod("a", "10.0.0.5", deleting=True), "ns") is None
+    assert pod_endpoint(pod("a"), "ns") is None
+    deleting = pod("a", "10.0.0.5")
+    deleting["metadata"]["deletionTimestamp"] = "2026-11-27T00:00:00Z"
+    assert pod_endpoint(deleting, "ns") is None
 
 
-def test_list_then_watch_then_relist_after_error():
-    api = FakeAPI([pod("a", "10.0.0.1"), pod("b", "10.0.0.2", ready=False)])
-    disc = KubernetesDiscovery("ns", "p1", core_v1=api, watch_factory=lambda: FakeWatch(api))
-    seen = []
-
-    async def go():
-        changed = asyncio.Event()
-
-        def on_change(eps):
-            seen.append(sorted(e.pod for e in eps))
-            changed.set()
-
-        async def next_change():
-            await asyncio.wait_for(changed.wait(), 5)
-            changed.clear()
-
-        await disc.start(on_change)
-        await next_change()
-        api.events("ns").put({"type": "MODIFIED", "object": pod("b", "10.0.0.2")})
-        await next_change()
-        api.events("ns").put({"type": "MODIFIED", "object": pod("b", "10.0.0.2")})  # no change
-        api.events("ns").put({"type": "DELETED", "object": pod("a", "10.0.0.1")})
-        await next_change()
-        api.pods = [pod("c", "10.0.0.3")]
-        api.events("ns").put(RuntimeError("410 Gone"))  # watch expired: re-list
-        await next_change()
-        await disc.stop()
-
-    asyncio.run(go())
-    assert seen == [["10.0.0.1:8000"], ["10.0.0.1:8000", "10.0.0.2:8000"], ["10.0.0.2:8000"],
-                    ["10.0.0.3:8000"]]
-    assert api.lists[0] == ("ns", "app.kubernetes.io/name=sluice-engine,sluice.dev/pool=p1")
+async def _create(api: kube.KubeClient, body: dict) -> None:
+    """A pod and, when it has one, its status (as the kubelet would report it)."""
+    ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    await api.create(kube.PODS, ns, {k: v for k, v in body.items() if k != "status"})
+    if "status" in body:
+        await api.patch(kube.PODS, ns, name, {"status": body["status"]}, subresource="status")
 
 
-def _run(disc, steps):
+def _discover(plane, disc: KubernetesDiscovery, steps, kubeconfig=None):
     """Start `disc`; for each (wanted endpoints, action): wait until the latest published
-    endpoints, as sorted (namespace, pod) pairs, are the wanted ones, then run the action."""
+    endpoints, as sorted (namespace, pod) pairs, are the wanted ones, then await the
+    action (with an admin client). Returns everything published."""
     seen = []
 
     async def go():
+        disc.configuration = await kube_config.load(kubeconfig or plane.admin_kubeconfig)
         await disc.start(lambda eps: seen.append(sorted((e.namespace, e.pod) for e in eps)))
-        for wanted, action in steps:
-            for _ in range(250):
-                if seen and seen[-1] == wanted:
-                    break
-                await asyncio.sleep(0.02)
-            assert seen and seen[-1] == wanted, seen
-            action()
-        await disc.stop()
+        try:
+            async with client(plane.admin_kubeconfig) as api:
+                for wanted, action in steps:
+                    await eventually(lambda w=wanted: seen and seen[-1] == w, 15,
+                                     f"{wanted} published (seen: {seen[-3:]})")
+                    await action(api)
+        finally:
+            await disc.stop()
 
-    asyncio.run(go())
+    asyncio.run(asyncio.wait_for(go(), 60))
     return seen
 
 
-def test_each_namespace_the_operator_serves_is_watched():
-    api = FakeAPI({"team-a": [pod("a", "10.0.0.1", namespace="team-a")],
-                   "team-b": [pod("b", "10.0.0.2", namespace="team-b")],
-                   "other": [pod("x", "10.0.0.9", namespace="other")]})
-    disc = KubernetesDiscovery(["team-a", "team-b"], core_v1=api,
-                               watch_factory=lambda: FakeWatch(api))
-    both = [("team-a", "10.0.0.1:8000"), ("team-b", "10.0.0.2:8000")]
-    deleted = {"type": "DELETED", "object": pod("b", "10.0.0.2", namespace="team-b")}
-    _run(disc, [(both, lambda: api.events("team-b").put(deleted)),
-                ([("team-a", "10.0.0.1:8000")], lambda: None)])
-    assert sorted(ns for ns, _ in api.lists) == ["team-a", "team-b"]  # never "other"
+async def _nothing(api):
+    return None
 
 
-def test_star_watches_every_namespace_with_one_list():
-    api = FakeAPI({"team-a": [pod("a", "10.0.0.1", namespace="team-a")],
-                   "other": [pod("x", "10.0.0.9", namespace="other")]})
-    disc = KubernetesDiscovery("*", core_v1=api, watch_factory=lambda: FakeWatch(api))
-    listed = [("other", "10.0.0.9:8000"), ("team-a", "10.0.0.1:8000")]
-    added = {"type": "ADDED", "object": pod("y", "10.0.0.8", namespace="team-c")}
-    _run(disc, [(listed, lambda: api.events(None).put(added)),
-                (sorted([*listed, ("team-c", "10.0.0.8:8000")]), lambda: None)])
-    assert api.lists == [("*", "app.kubernetes.io/name=sluice-engine")]
+def test_list_then_watch_then_relist_on_expiry(kube_plane, kube_ns):
+    ns = kube_ns
+
+    async def setup():
+        async with client(kube_plane.admin_kubeconfig) as api:
+            await _create(api, pod("a", "10.0.0.1", namespace=ns))
+            await _create(api, pod("b", "10.0.0.2", ready=False, namespace=ns))
+            await _create(api, pod("other-pool", "10.0.0.7", pool="p2", namespace=ns))
+    asyncio.run(setup())
+
+    async def b_ready(api):
+        await api.patch(kube.PODS, ns, "b", {"status": status("10.0.0.2")}, subresource="status")
+
+    async def a_deleted(api):
+        await api.delete(kube.PODS, ns, "a")
+
+    # watches that expire every second: the discovery re-lists and keeps its view
+    disc = KubernetesDiscovery(ns, "p1", watch_timeout_s=1)
+
+    async def c_added(api):
+        await eventually(lambda: disc.lists >= 2, 10, "a re-list after the watch expired")
+        await _create(api, pod("c", "10.0.0.3", namespace=ns))
+
+    seen = _discover(kube_plane, disc, [
+        ([(ns, "10.0.0.1:8000")], b_ready),
+        ([(ns, "10.0.0.1:8000"), (ns, "10.0.0.2:8000")], a_deleted),
+        ([(ns, "10.0.0.2:8000")], c_added),
+        ([(ns, "10.0.0.2:8000"), (ns, "10.0.0.3:8000")], _nothing)])
+    assert all((ns, "10.0.0.7:8000") not in s for s in seen)  # another pool's pod
+
+
+def test_each_namespace_the_operator_serves_is_watched(kube_plane):
+    suffix = secrets.token_hex(3)
+    team_a, team_b, other = (f"{n}-{suffix}" for n in ("team-a", "team-b", "other"))
+
+    async def setup():
+        async with client(kube_plane.admin_kubeconfig) as api:
+            for i, ns in enumerate((team_a, team_b, other)):
+                kube_plane.create_namespace(ns)
+                await _create(api, pod("e", f"10.0.1.{i + 1}", namespace=ns))
+    asyncio.run(setup())
+
+    async def b_deleted(api):
+        await api.delete(kube.PODS, team_b, "e")
+
+    disc = KubernetesDiscovery([team_a, team_b])
+    _discover(kube_plane, disc, [
+        ([(team_a, "10.0.1.1:8000"), (team_b, "10.0.1.2:8000")], b_deleted),
+        ([(team_a, "10.0.1.1:8000")], _nothing)])
+    # one list per namespace served, never "other"'s
+    lists = [e["objectRef"].get("namespace") for e in kube_plane.audit()
+             if e["verb"] == "list" and e["objectRef"]["resource"] == "pods"
+             and e["userAgent"].startswith("OpenAPI-Generator")]
+    assert {team_a, team_b} <= set(lists) and other not in lists
+
+
+def test_star_watches_every_namespace_with_one_list(kube_plane, kube_ns):
+    ns = kube_ns
+
+    async def setup():
+        async with client(kube_plane.admin_kubeconfig) as api:
+            await _create(api, pod("star", "10.0.2.1", namespace=ns))
+    asyncio.run(setup())
+    mark = len(kube_plane.audit())
+
+    async def added(api):
+        await _create(api, pod("star2", "10.0.2.2", namespace=ns))
+
+    def mine(seen_last):
+        return [p for p in seen_last if p[0] == ns]
+
+    disc = KubernetesDiscovery("*", "p1")
+    seen = []
+
+    async def go():
+        disc.configuration = await kube_config.load(kube_plane.admin_kubeconfig)
+        await disc.start(lambda eps: seen.append(sorted((e.namespace, e.pod) for e in eps)))
+        try:
+            await eventually(lambda: seen and mine(seen[-1]) == [(ns, "10.0.2.1:8000")], 15)
+            async with client(kube_plane.admin_kubeconfig) as api:
+                await added(api)
+            await eventually(lambda: mine(seen[-1]) == [(ns, "10.0.2.1:8000"),
+                                                        (ns, "10.0.2.2:8000")], 15)
+        finally:
+            await disc.stop()
+    asyncio.run(asyncio.wait_for(go(), 60))
+    lists = [e for e in kube_plane.audit()[mark:]
+             if e["verb"] == "list" and e["objectRef"]["resource"] == "pods"]
+    assert len(lists) == 1 and "namespace" not in lists[0]["objectRef"], lists
+
+
+def test_an_api_error_is_retried_until_it_passes(kube_plane, kube_ns):
+    """The picker's ServiceAccount may list pods only once its Role is bound: until then
+    the API server answers 403, and the discovery keeps trying."""
+    ns = kube_ns
+    kube_plane.kubectl("create", "serviceaccount", "picker", "-n", ns)
+    kubeconfig = kube_plane.kubeconfig(kube_plane.token_for(ns, "picker"), f"picker-{ns}")
+
+    async def setup():
+        async with client(kube_plane.admin_kubeconfig) as api:
+            await _create(api, pod("late", "10.0.3.1", namespace=ns))
+    asyncio.run(setup())
+
+    async def grant(api):
+        kube_plane.kubectl("create", "role", "picker", "-n", ns, "--verb=get,list,watch",
+                           "--resource=pods")
+        kube_plane.kubectl("create", "rolebinding", "picker", "-n", ns, "--role=picker",
+                           f"--serviceaccount={ns}:picker")
+
+    disc = KubernetesDiscovery(ns, "p1")
+    seen = []
+
+    async def go():
+        disc.configuration = await kube_config.load(kubeconfig)
+        await disc.start(lambda eps: seen.append(sorted((e.namespace, e.pod) for e in eps)))
+        try:
+            await eventually(lambda: _refused(kube_plane, ns), 15, "a 403 first")
+            async with client(kube_plane.admin_kubeconfig) as api:
+                await grant(api)
+            await eventually(lambda: seen and seen[-1] == [(ns, "10.0.3.1:8000")], 20,
+                             "pods once allowed")
+        finally:
+            await disc.stop()
+    asyncio.run(asyncio.wait_for(go(), 60))
+
+
+def _refused(plane, ns) -> bool:
+    return any(e["user"]["username"] == f"system:serviceaccount:{ns}:picker"
+               and e["responseStatus"]["code"] == 403 for e in plane.audit())
 
 
 def test_namespace_flags():

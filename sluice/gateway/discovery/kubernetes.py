@@ -7,20 +7,26 @@ when a pool is given) in the namespaces the operator serves: the same list (the 
 deleted and its Ready condition is True. The model is the `sluice.dev/model` annotation;
 ports are the container ports named `http` / `kv-events` / `kv-replay` (defaults 8000 /
 5557 / 5558). The role (prefill/decode pools) is the `sluice.dev/role` label, else llm-d's
-`llm-d.ai/role` (`static.parse_role`). Each namespace is watched on a thread of its own (the `kubernetes` client is
-synchronous; a namespaced Role allows no cluster-wide watch) that re-lists after any error
-or expiry, with a capped backoff.
+`llm-d.ai/role` (`static.parse_role`).
+
+The client is kubernetes_asyncio (the operator's too), logged in by
+`sluice.kube_config.load`. Each namespace is watched by a task of its own (a namespaced
+Role allows no cluster-wide watch) that re-lists after any error or expiry, with a capped
+backoff. Pods are read as the API server's JSON: no model objects are built per event.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sluice import labels
+from kubernetes_asyncio import client as k8s
+from kubernetes_asyncio import watch as k8s_watch
+
+from sluice import kube_config, labels
 from sluice.gateway.discovery.static import Endpoint, OnChange, parse_role
 
 log = logging.getLogger("sluice.gateway.k8s")
@@ -40,36 +46,27 @@ def parse_namespaces(values: Iterable[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _get(obj: Any, *path: str) -> Any:
-    """Attribute or dict access (client objects or raw dicts from a fake API)."""
-    for name in path:
-        if obj is None:
-            return None
-        obj = obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
-    return obj
-
-
-def pod_endpoint(pod: Any, namespace: str) -> Endpoint | None:
-    """The pod's Endpoint when it is ready to serve, else None."""
-    if _get(pod, "metadata", "deletion_timestamp"):
+def pod_endpoint(pod: dict[str, Any], namespace: str) -> Endpoint | None:
+    """The pod's Endpoint when it is ready to serve, else None (`pod`: the API's JSON)."""
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    if meta.get("deletionTimestamp"):
         return None
-    ip = _get(pod, "status", "pod_ip")
-    conds = _get(pod, "status", "conditions") or []
-    if not ip or not any(_get(c, "type") == "Ready" and _get(c, "status") == "True"
-                         for c in conds):
+    ip = status.get("podIP")
+    if not ip or not any(c.get("type") == "Ready" and c.get("status") == "True"
+                         for c in status.get("conditions") or ()):
         return None
     ports = dict(DEFAULT_PORTS)
-    for container in _get(pod, "spec", "containers") or []:
-        for p in _get(container, "ports") or []:
-            if _get(p, "name") in ports:
-                ports[_get(p, "name")] = int(_get(p, "container_port"))
-    pod_labels = _get(pod, "metadata", "labels") or {}
-    annotations = _get(pod, "metadata", "annotations") or {}
+    for container in (pod.get("spec") or {}).get("containers") or ():
+        for p in container.get("ports") or ():
+            if p.get("name") in ports:
+                ports[p["name"]] = int(p["containerPort"])
+    pod_labels = meta.get("labels") or {}
+    annotations = meta.get("annotations") or {}
     host = f"[{ip}]" if ":" in ip else ip
     return Endpoint(pod=f"{host}:{ports['http']}", url=f"http://{host}:{ports['http']}",
                     model=annotations.get(labels.MODEL_ANNOTATION),
                     pool=pod_labels.get(labels.POOL, ""),
-                    namespace=_get(pod, "metadata", "namespace") or namespace,
+                    namespace=meta.get("namespace") or namespace,
                     events=f"tcp://{host}:{ports['kv-events']}",
                     replay=f"tcp://{host}:{ports['kv-replay']}",
                     events_curve=_flag(annotations.get(labels.KV_EVENTS_CURVE_ANNOTATION)),
@@ -82,114 +79,90 @@ def _flag(value: str | None) -> bool | None:
 
 
 class KubernetesDiscovery:
-    """The watch threads own nothing but their namespace's entries in `_pods`, which
-    `_lock` guards; `publish` hands a copy of all of them to the event loop."""
+    """One watch task per namespace; each owns its namespace's entries in `_pods` (all of
+    them for `*`), and every change hands a copy of all entries to `on_change`."""
 
     def __init__(self, namespaces: str | Sequence[str], pool: str | None = None,
-                 core_v1: Any = None, watch_factory: Callable[[], Any] | None = None,
+                 configuration: k8s.Configuration | None = None,
                  watch_timeout_s: int = 300) -> None:
-        """`namespaces`: one, several, or `*` (every namespace). `core_v1` /
-        `watch_factory` default to the `kubernetes` client's (in-cluster config, else
-        kubeconfig); tests pass fakes."""
+        """`namespaces`: one, several, or `*` (every namespace). `configuration`: the
+        cluster and identity; default `kube_config.load()` (in-cluster, else kubeconfig)."""
         names = parse_namespaces([namespaces] if isinstance(namespaces, str) else namespaces)
         self.namespaces: tuple[str, ...] = names or (ALL_NAMESPACES,)
         self.selector = labels.engine_selector(pool)
-        self.core_v1 = core_v1
-        self.watch_factory = watch_factory
+        self.configuration = configuration
         self.watch_timeout_s = watch_timeout_s
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
+        self._api: k8s.ApiClient | None = None
+        self._tasks: list[asyncio.Task[None]] = []
         self._pods: dict[tuple[str, str], Endpoint] = {}  # (namespace, pod name) ->
-        self._watches: list[Any] = []
-
-    def _client(self) -> None:
-        if self.core_v1 is not None:
-            return
-        from kubernetes import client, config, watch
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
-        self.core_v1 = client.CoreV1Api()
-        self.watch_factory = watch.Watch
+        self.lists = 0  # full listings made (the first, then one after each error/expiry)
 
     async def start(self, on_change: OnChange) -> None:
-        self._client()
-        loop = asyncio.get_running_loop()
-        publish = lambda eps: loop.call_soon_threadsafe(on_change, eps)
+        if self.configuration is None:
+            self.configuration = await kube_config.load()
+        self._api = k8s.ApiClient(self.configuration)
+        core = k8s.CoreV1Api(self._api)
         for namespace in self.namespaces:
-            thread = threading.Thread(target=self._run, args=(namespace, publish),
-                                      name=f"k8s-discovery-{namespace}", daemon=True)
-            self._threads.append(thread)
-            thread.start()
+            self._tasks.append(asyncio.create_task(self._run(core, namespace, on_change),
+                                                   name=f"k8s-discovery-{namespace}"))
 
     async def stop(self) -> None:
-        self._stop.set()
-        for watch in list(self._watches):
-            watch.stop()
-        for thread in self._threads:
-            await asyncio.to_thread(thread.join, 5)
-
-    def _list_fn(self, namespace: str) -> tuple[Callable[..., Any], tuple[str, ...]]:
-        if namespace == ALL_NAMESPACES:
-            return self.core_v1.list_pod_for_all_namespaces, ()
-        return self.core_v1.list_namespaced_pod, (namespace,)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._api is not None:
+            await self._api.close()
 
     def _replace(self, namespace: str, pods: dict[tuple[str, str], Endpoint]) -> list[Endpoint]:
-        with self._lock:
-            self._pods = {k: v for k, v in self._pods.items()
-                          if namespace != ALL_NAMESPACES and k[0] != namespace}
-            self._pods.update(pods)
-            return list(self._pods.values())
+        self._pods = {k: v for k, v in self._pods.items()
+                      if namespace != ALL_NAMESPACES and k[0] != namespace}
+        self._pods.update(pods)
+        return list(self._pods.values())
 
     def _set(self, key: tuple[str, str], ep: Endpoint | None) -> list[Endpoint] | None:
         """All endpoints when `key`'s changed, else None."""
-        with self._lock:
-            old = self._pods.get(key)
-            if ep is None:
-                self._pods.pop(key, None)
-            else:
-                self._pods[key] = ep
-            return list(self._pods.values()) if old != ep else None
+        old = self._pods.get(key)
+        if ep is None:
+            self._pods.pop(key, None)
+        else:
+            self._pods[key] = ep
+        return list(self._pods.values()) if old != ep else None
 
-    def _run(self, namespace: str, publish: Callable[[list[Endpoint]], None]) -> None:
-        list_fn, args = self._list_fn(namespace)
+    async def _run(self, core: k8s.CoreV1Api, namespace: str, on_change: OnChange) -> None:
+        list_fn, args = ((core.list_pod_for_all_namespaces, ()) if namespace == ALL_NAMESPACES
+                         else (core.list_namespaced_pod, (namespace,)))
         backoff = 0.5
-        while not self._stop.is_set():
+        while True:
             try:
-                listing = list_fn(*args, label_selector=self.selector)
+                response = await list_fn(*args, label_selector=self.selector,
+                                         _preload_content=False)
+                listing = await response.json()
+                self.lists += 1
                 found = {}
-                for pod in _get(listing, "items") or []:
-                    key = (_get(pod, "metadata", "namespace") or namespace,
-                           _get(pod, "metadata", "name"))
-                    ep = pod_endpoint(pod, key[0])
-                    if ep is not None:
+                for pod in listing.get("items") or ():
+                    key = (pod["metadata"].get("namespace") or namespace,
+                           pod["metadata"]["name"])
+                    if (ep := pod_endpoint(pod, key[0])) is not None:
                         found[key] = ep
-                publish(self._replace(namespace, found))
-                version = _get(listing, "metadata", "resource_version")
-                watch = self.watch_factory()
-                self._watches.append(watch)
-                try:
-                    for event in watch.stream(list_fn, *args, label_selector=self.selector,
-                                              resource_version=version,
-                                              timeout_seconds=self.watch_timeout_s):
-                        if self._stop.is_set():
-                            return
-                        pod = event["object"]
-                        key = (_get(pod, "metadata", "namespace") or namespace,
-                               _get(pod, "metadata", "name"))
+                on_change(self._replace(namespace, found))
+                version = listing["metadata"]["resourceVersion"]
+                async with k8s_watch.Watch(return_type="object") as watch:
+                    async for event in watch.stream(
+                            list_fn, *args, label_selector=self.selector,
+                            resource_version=version, timeout_seconds=self.watch_timeout_s):
+                        pod = event["raw_object"]
+                        key = (pod["metadata"].get("namespace") or namespace,
+                               pod["metadata"]["name"])
                         ep = None if event["type"] == "DELETED" else pod_endpoint(pod, key[0])
-                        changed = self._set(key, ep)
-                        if changed is not None:
-                            publish(changed)
-                finally:
-                    self._watches.remove(watch)
-                backoff = 0.5
+                        if (changed := self._set(key, ep)) is not None:
+                            on_change(changed)
+                backoff = 0.5  # the watch expired: list again, at once
+            except asyncio.CancelledError:
+                raise
             except Exception as err:  # noqa: BLE001 -- API errors, 410 Gone, lost connection
-                if self._stop.is_set():
-                    return
-                log.warning("pod watch in %s failed (%s); re-listing in %.1fs", namespace, err,
-                            backoff)
-                self._stop.wait(backoff)
+                log.warning("pod watch in %s failed (%s); re-listing in %.1fs", namespace,
+                            err, backoff)
+                await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
