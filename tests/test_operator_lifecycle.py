@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import pathlib
 from urllib.parse import unquote
 
@@ -246,3 +247,37 @@ async def _finalizers(view: View) -> list[str]:
 
 async def _no_pools(view: View) -> bool:
     return not await view.names(kube.POOLS)
+
+
+def test_server_side_apply_takes_back_its_fields_and_keeps_others(kube_controllers, kube_ns):
+    """Another manager that applies a field the operator owns is refused (409) unless it
+    forces; forced, the operator takes the field back. A field only another manager set
+    (an annotation) stays."""
+    plane, ns = kube_controllers, kube_ns
+
+    async def scenario():
+        async with (client(plane.admin_kubeconfig) as api,
+                    operator(plane, namespaces=(ns,)), kubelet(api, ns)):
+            view = View(api, ns)
+            await api.create(kube.POOLS, ns, CPU_POOL)
+            await eventually(lambda: view.ready(1), 20, "ready")
+            plane.kubectl("annotate", "deployment/smollm2-serve", "-n", ns, "team=search")
+            live = await view.get(kube.DEPLOYMENTS, "smollm2-serve")
+            container = live["spec"]["template"]["spec"]["containers"][0]
+            theirs = {"apiVersion": "apps/v1", "kind": "Deployment",
+                      "metadata": {"name": "smollm2-serve", "namespace": ns},
+                      "spec": {"template": {"spec": {"containers": [
+                          {"name": container["name"], "image": "evil:latest"}]}}}}
+            refused = plane.kubectl("apply", "--server-side", "--field-manager=someone",
+                                    "-f", "-", input=json.dumps(theirs), check=False)
+            assert refused.returncode and "conflict" in refused.stderr.lower(), refused
+            plane.kubectl("apply", "--server-side", "--field-manager=someone",
+                          "--force-conflicts", "-f", "-", input=json.dumps(theirs))
+
+            async def taken_back() -> bool:
+                dep = await view.get(kube.DEPLOYMENTS, "smollm2-serve")
+                image = dep["spec"]["template"]["spec"]["containers"][0]["image"]
+                return image == container["image"] and dep
+            dep = await eventually(taken_back, 15, "the operator's image applied again")
+            assert dep["metadata"]["annotations"]["team"] == "search"
+    run(scenario)
