@@ -1,5 +1,6 @@
-"""Autoscaler decisions on synthetic load series, metric parsing, and the kopf timer
-scaling a pool through its scale subresource with an Event."""
+"""Autoscaler decisions on synthetic load series, metric parsing, and the operator's
+periodic work scaling a pool on a real API server (with kube-controller-manager and the
+kubelet stand-in) through its scale subresource, with an Event."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import pathlib
 import random
 
 import yaml
-from k8s_controllers import controllers
-from k8s_harness import cluster, connection, eventually, operator
+from k8s_harness import View, client, eventually, operator
+from k8s_kubelet import kubelet
 
 from sluice.operator import kube, metrics
 from sluice.operator.autoscale import LoadSample, decide
 from sluice.operator.spec import AutoscalingSpec
 
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "charts/sluice/examples"
 POLICY = AutoscalingSpec(enabled=True, min_replicas=1, max_replicas=6,
                          target_kv_cache_usage=0.7, target_queue_depth=8,
                          scale_up_stabilization_s=30, scale_down_stabilization_s=120)
@@ -99,9 +101,9 @@ vllm:num_requests_running{model_name="m"} 7.0
     assert metrics.aggregate([(0.2, 1.0), (0.6, 3.0)]) == LoadSample(0.4, 2.0, 2)
 
 
-def test_timer_scales_the_pool_and_posts_an_event():
-    root = pathlib.Path(__file__).resolve().parents[1]
-    body = yaml.safe_load((root / "charts/sluice/examples/pool-cpu.yaml").read_text())
+def test_timer_scales_the_pool_and_posts_an_event(kube_controllers, kube_ns):
+    plane, ns = kube_controllers, kube_ns
+    body = yaml.safe_load((EXAMPLES / "pool-cpu.yaml").read_text())
     body["spec"]["autoscaling"] = {"enabled": True, "minReplicas": 1, "maxReplicas": 3,
                                    "scaleUpStabilizationSeconds": 0,
                                    "scaleDownStabilizationSeconds": 0}
@@ -112,35 +114,41 @@ def test_timer_scales_the_pool_and_posts_an_event():
         return LoadSample(load["kv"], 0.0, len(ready)) if ready else None
 
     async def scenario():
-        async with cluster() as (api, server), \
-                operator(server, sampler=sampler, autoscale_interval_s=0.2), controllers(api):
-            client = kube.KubeClient.from_connection(connection(server))
-            await client.create(kube.POOLS, "default", body)
-            pool = lambda: api.store.get(api.kind("inferencepools"), "default", "smollm2")
-            await eventually(lambda: pool()["spec"]["replicas"] == 3, 10, "scaled to max")
-            await eventually(lambda: api.store.get(api.kind("deployments"), "default",
-                                                   "smollm2-serve")["spec"]["replicas"] == 3,
-                             3, "Deployment follows")
-            status = pool()["status"]
+        async with (client(plane.admin_kubeconfig) as api,
+                    operator(plane, namespaces=(ns,), sampler=sampler, autoscale_interval_s=0.2),
+                    kubelet(api, ns)):
+            view = View(api, ns)
+            await api.create(kube.POOLS, ns, body)
+            await eventually(lambda: _spec_replicas(view, 3), 30, "scaled to max")
+            await eventually(lambda: _deployment_replicas(view, "smollm2-serve", 3), 30,
+                             "Deployment follows")
+            status = (await view.pool())["status"]
             assert status["kvCacheUsage"] == 0.99 and status["lastScaleTime"]
-            await eventually(lambda: "ScaledUp" in [
-                e.obj["reason"] for e in api.store.log if e.kind.plural == "events"], 3,
-                "a ScaledUp event")
+            await eventually(lambda: _reason(view, "ScaledUp"), 30, "a ScaledUp event")
             load["kv"] = 0.0
-            await eventually(lambda: pool()["spec"]["replicas"] == 1, 10, "scaled to min")
-            await eventually(lambda: "ScaledDown" in [
-                e.obj["reason"] for e in api.store.log if e.kind.plural == "events"], 3,
-                "a ScaledDown event")
-            await client.close()
-    asyncio.run(asyncio.wait_for(scenario(), 60))
+            await eventually(lambda: _spec_replicas(view, 1), 30, "scaled to min")
+            await eventually(lambda: _reason(view, "ScaledDown"), 30, "a ScaledDown event")
+    asyncio.run(asyncio.wait_for(scenario(), 150))
 
 
-def test_timer_scales_prefill_and_decode_each_on_its_own_signal():
+async def _spec_replicas(view: View, n: int) -> bool:
+    return (await view.pool())["spec"]["replicas"] == n
+
+
+async def _deployment_replicas(view: View, name: str, n: int) -> bool:
+    return (await view.get(kube.DEPLOYMENTS, name))["spec"]["replicas"] == n
+
+
+async def _reason(view: View, reason: str) -> bool:
+    return reason in [r for r, _ in await view.events()]
+
+
+def test_timer_scales_prefill_and_decode_each_on_its_own_signal(kube_controllers, kube_ns):
     """A prefill/decode pool whose prefill engines have a queue and whose decode engines
     have a nearly full cache: both roles grow, each through spec.roles.<role>.replicas;
     then the queue drains but the cache stays full: only prefill shrinks."""
-    root = pathlib.Path(__file__).resolve().parents[1]
-    body = yaml.safe_load((root / "charts/sluice/examples/pool-disaggregated.yaml").read_text())
+    plane, ns = kube_controllers, kube_ns
+    body = yaml.safe_load((EXAMPLES / "pool-disaggregated.yaml").read_text())
     for role in ("prefill", "decode"):
         body["spec"]["roles"][role]["autoscaling"] = {
             "enabled": True, "minReplicas": 1, "maxReplicas": 4,
@@ -154,22 +162,31 @@ def test_timer_scales_prefill_and_decode_each_on_its_own_signal():
         return LoadSample(*load[role], len(ready)) if ready else None
 
     async def scenario():
-        async with cluster() as (api, server), \
-                operator(server, sampler=sampler, autoscale_interval_s=0.2), controllers(api):
-            client = kube.KubeClient.from_connection(connection(server))
-            await client.create(kube.POOLS, "default", body)
-            roles = lambda: api.store.get(api.kind("inferencepools"), "default",
-                                          "qwen3-pd")["spec"]["roles"]
-            await eventually(lambda: (roles()["prefill"]["replicas"],
-                                      roles()["decode"]["replicas"]) == (4, 4), 15, "both up")
+        async with (client(plane.admin_kubeconfig) as api,
+                    operator(plane, namespaces=(ns,), sampler=sampler, autoscale_interval_s=0.2),
+                    kubelet(api, ns)):
+            view = View(api, ns, "qwen3-pd")
+
+            async def roles() -> tuple[int, int]:
+                spec = (await view.pool())["spec"]["roles"]
+                return spec["prefill"]["replicas"], spec["decode"]["replicas"]
+
+            await api.create(kube.POOLS, ns, body)
+            await eventually(lambda: _equals(roles(), (4, 4)), 60, "both up")
             load["prefill"] = (0.99, 0.0)  # queue drained (its KV held for pulls)
-            await eventually(lambda: roles()["prefill"]["replicas"] == 1, 15, "prefill down")
-            assert roles()["decode"]["replicas"] == 4
-            await eventually(lambda: api.store.get(api.kind("deployments"), "default",
-                                                   "qwen3-pd-prefill")["spec"]["replicas"] == 1,
-                             5, "the prefill Deployment follows")
-            await client.close()
-    asyncio.run(asyncio.wait_for(scenario(), 90))
+            await eventually(lambda: _first(roles(), 1), 60, "prefill down")
+            assert (await roles())[1] == 4
+            await eventually(lambda: _deployment_replicas(view, "qwen3-pd-prefill", 1), 30,
+                             "the prefill Deployment follows")
+    asyncio.run(asyncio.wait_for(scenario(), 180))
+
+
+async def _equals(value, expected) -> bool:
+    return await value == expected
+
+
+async def _first(value, expected) -> bool:
+    return (await value)[0] == expected
 
 
 def test_sample_pool_scrapes_ready_engines_of_the_role_and_skips_failures():
