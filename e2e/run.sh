@@ -24,7 +24,8 @@ cd "$ROOT"
 log() { printf '\n==> %s\n' "$*"; }
 
 log "building images ($TAG)"
-export DOCKER_BUILDKIT=1
+# The classic builder: no BuildKit or buildx to install, no frontend image to pull.
+export DOCKER_BUILDKIT=0
 docker build -f operator/Dockerfile -t "$REGISTRY/sluice-operator:$TAG" .
 docker build -f gateway/Dockerfile -t "$REGISTRY/sluice-gateway:$TAG" .
 docker build -f engine_image/Dockerfile -t "$REGISTRY/sluice-engine:$TAG" \
