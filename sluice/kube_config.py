@@ -23,6 +23,16 @@ from kubernetes_asyncio.config.incluster_config import InClusterConfigLoader
 SA_DIR = pathlib.Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
+class _InClusterLoader(InClusterConfigLoader):
+    """The in-cluster loader, with the token trimmed as client-go trims it: a token file
+    written by hand (`kubectl create token > token`) ends in a newline, which would
+    otherwise reach the Authorization header and fail every request."""
+
+    def _read_token_file(self) -> None:
+        super()._read_token_file()
+        self.token = self.token.rstrip()
+
+
 def in_cluster(sa_dir: pathlib.Path = SA_DIR, environ: Mapping[str, str] = os.environ) -> bool:
     return bool(environ.get("KUBERNETES_SERVICE_HOST")) and (sa_dir / "token").exists()
 
@@ -34,7 +44,7 @@ async def load(kubeconfig: str | os.PathLike[str] | None = None, *,
     given: that file's, in a pod too)."""
     configuration = k8s.Configuration()
     if kubeconfig is None and in_cluster(sa_dir, environ):
-        InClusterConfigLoader(str(sa_dir / "token"), str(sa_dir / "ca.crt"),
+        _InClusterLoader(str(sa_dir / "token"), str(sa_dir / "ca.crt"),
                               environ=dict(environ)).load_and_set(configuration)
     else:
         await k8s_config.load_kube_config(

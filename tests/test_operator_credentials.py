@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import urllib.error
 
-import pytest
 import yaml
 from k8s_harness import View, client, eventually, operator
 from k8s_tools import tool
@@ -118,9 +117,6 @@ def test_the_token_is_read_again_once_its_refresh_period_has_passed(tmp_path, mo
                                                   "Bearer token-b")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="credentials.load keeps a token file's trailing newline, which "
-                          "aiohttp refuses to send in a header (client-go trims it)")
 def test_a_token_file_ending_in_a_newline_is_trimmed(tmp_path):
     sa_dir = _sa_dir(tmp_path / "sa", "sa-token\n")  # e.g. `kubectl create token > token`
 
