@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import ipaddress
 import json
 import os
 import pathlib
@@ -73,37 +74,58 @@ def _openssl(*args: str, cwd: pathlib.Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 
 
-def make_pki(folder: pathlib.Path) -> None:
-    """A CA, the API server's serving certificate (loopback and the in-cluster names) and
-    the ServiceAccount signing key pair."""
+def _signed(folder: pathlib.Path, name: str, subject: str, ext: str | None = None) -> None:
+    """`name`.key and `name`.crt, signed by the folder's CA."""
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key",
+             "-out", f"{name}.csr", "-subj", subject, cwd=folder)
+    extra = []
+    if ext:
+        (folder / f"{name}.ext").write_text(ext + "\n")
+        extra = ["-extfile", f"{name}.ext"]
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+             "-CAcreateserial", "-out", f"{name}.crt", "-days", "3", *extra, cwd=folder)
+
+
+def make_pki(folder: pathlib.Path, address: str = "127.0.0.1",
+             service_cidr: str = SERVICE_CIDR) -> None:
+    """A CA; the API server's serving certificate (its address, loopback, the first
+    Service IP and the in-cluster names); its client certificate for kubelets (logs,
+    exec, port-forward); the ServiceAccount signing key pair."""
     folder.mkdir(parents=True, exist_ok=True)
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key",
              "-out", "ca.crt", "-days", "3", "-subj", "/CN=sluice-test-ca", cwd=folder)
-    sans = ("subjectAltName=IP:127.0.0.1,IP:10.0.0.1,DNS:localhost,DNS:kubernetes,"
-            "DNS:kubernetes.default,DNS:kubernetes.default.svc,"
-            "DNS:kubernetes.default.svc.cluster.local")
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "apiserver.key",
-             "-out", "apiserver.csr", "-subj", "/CN=kube-apiserver", cwd=folder)
-    (folder / "san.ext").write_text(sans + "\n")
-    _openssl("x509", "-req", "-in", "apiserver.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-             "-CAcreateserial", "-out", "apiserver.crt", "-days", "3",
-             "-extfile", "san.ext", cwd=folder)
+    first_service_ip = next(ipaddress.ip_network(service_cidr).hosts())
+    sans = (f"subjectAltName=IP:{address},IP:127.0.0.1,IP:{first_service_ip},"
+            "DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,"
+            "DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local")
+    _signed(folder, "apiserver", "/CN=kube-apiserver", sans)
+    _signed(folder, "kubelet-client", "/O=system:masters/CN=kube-apiserver-kubelet-client")
     _openssl("genrsa", "-out", "sa.key", "2048", cwd=folder)
     _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=folder)
 
 
 @dataclass
 class ControlPlane:
-    """etcd + kube-apiserver in `root`; `start()`, then `stop()` (or use as a context)."""
+    """etcd + kube-apiserver in `root`; `start()`, then `stop()` (or use as a context).
+
+    The tests' plane serves on loopback with no nodes. `with_nodes` is a cluster's:
+    served on `address` (where its nodes reach it), kubelets authorized by the Node
+    authorizer, and the API server's own Service kept pointing at it (kube-proxy routes
+    pods' `kubernetes.default` there). `tokens`: more token-file users, token ->
+    (user, groups)."""
 
     root: pathlib.Path
+    address: str = "127.0.0.1"
     port: int = field(default_factory=free_port)
+    service_cidr: str = SERVICE_CIDR
+    with_nodes: bool = False
+    tokens: dict[str, tuple[str, str]] = field(default_factory=dict)
     admin_token: str = field(default_factory=lambda: secrets.token_hex(16))
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
-        return f"https://127.0.0.1:{self.port}"
+        return f"https://{self.address}:{self.port}"
 
     @property
     def ca_file(self) -> pathlib.Path:
@@ -121,10 +143,20 @@ class ControlPlane:
         self.stop()
 
     def start(self) -> None:
-        make_pki(self.root / "pki")
         pki = self.root / "pki"
-        (self.root / "tokens.csv").write_text(
-            f"{self.admin_token},{ADMIN},{ADMIN},system:masters\n")
+        make_pki(pki, self.address, self.service_cidr)
+        users = {self.admin_token: (ADMIN, "system:masters"), **self.tokens}
+        (self.root / "tokens.csv").write_text("".join(
+            f'{token},{user},{user},"{groups}"\n' for token, (user, groups) in users.items()))
+        cluster_args = [
+            "--authorization-mode=Node,RBAC", "--enable-admission-plugins=NodeRestriction",
+            f"--kubelet-client-certificate={pki / 'kubelet-client.crt'}",
+            f"--kubelet-client-key={pki / 'kubelet-client.key'}",
+        ] if self.with_nodes else [
+            "--authorization-mode=RBAC",
+            # no kube-proxy or endpoints to keep for the API server's own Service
+            "--endpoint-reconciler-type=none",
+        ]
         (self.root / "audit-policy.yaml").write_text(_AUDIT_POLICY)
         etcd_client, etcd_peer = free_port(), free_port()
         self._spawn("etcd", [
@@ -139,19 +171,17 @@ class ControlPlane:
         self._spawn("kube-apiserver", [
             str(k8s_bin("kube-apiserver")),
             f"--etcd-servers=http://127.0.0.1:{etcd_client}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+            f"--bind-address={self.address}", f"--advertise-address={self.address}",
             f"--secure-port={self.port}",
             f"--cert-dir={pki}", f"--tls-cert-file={pki / 'apiserver.crt'}",
             f"--tls-private-key-file={pki / 'apiserver.key'}",
             f"--client-ca-file={pki / 'ca.crt'}",
             f"--token-auth-file={self.root / 'tokens.csv'}",
-            "--authorization-mode=RBAC",
+            *cluster_args,
             f"--service-account-issuer={self.url}",
             f"--service-account-key-file={pki / 'sa.pub'}",
             f"--service-account-signing-key-file={pki / 'sa.key'}",
-            f"--service-cluster-ip-range={SERVICE_CIDR}",
-            # no kube-proxy or endpoints to keep for the API server's own Service
-            "--endpoint-reconciler-type=none",
+            f"--service-cluster-ip-range={self.service_cidr}",
             "--allow-privileged=true",
             f"--audit-policy-file={self.root / 'audit-policy.yaml'}",
             f"--audit-log-path={self.audit_log}", "--audit-log-format=json",
@@ -171,9 +201,18 @@ class ControlPlane:
             "--leader-elect=false", "--bind-address=127.0.0.1", "--secure-port=0",
             f"--service-account-private-key-file={pki / 'sa.key'}",
             f"--root-ca-file={pki / 'ca.crt'}",
-            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            f"--service-cluster-ip-range={self.service_cidr}",
             # sync sooner than the defaults (made for large clusters)
             "--concurrent-gc-syncs=5", "--namespace-sync-period=10s", "--v=0"])
+
+    def start_scheduler(self) -> None:
+        """kube-scheduler (a cluster with nodes): idempotent."""
+        if "kube-scheduler" not in self.procs:
+            self._spawn("kube-scheduler", [
+                str(k8s_bin("kube-scheduler")),
+                f"--kubeconfig={self.kubeconfig(self.admin_token, 'scheduler')}",
+                "--leader-elect=false", "--bind-address=127.0.0.1", "--secure-port=0",
+                "--v=0"])
 
     def stop(self) -> None:
         for proc in reversed(list(self.procs.values())):
