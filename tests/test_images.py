@@ -23,8 +23,6 @@ from typing import Any
 import pytest
 import yaml
 
-from sluice.operator import render, spec
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCKERFILES = {"operator": "operator/Dockerfile", "gateway": "gateway/Dockerfile",
                "engine": "engine_image/Dockerfile"}
@@ -143,6 +141,9 @@ def pod_run_args(pool_file: pathlib.Path, engine_image: str) -> tuple[list[str],
     """(docker run flags, image + argv) of the engine pod the operator renders for a pool:
     its command, env, emptyDir mounts and memory limit. $(POD_IP) is 127.0.0.1, the pod's
     own address in its network namespace."""
+    # imported here, so the static checks run where the operator package does not import
+    from sluice.operator import render, spec
+
     pool = spec.PoolSpec.from_body(yaml.safe_load(pool_file.read_text()))
     config = render.RenderConfig(engine_image=engine_image)
     pod = render.render_pod_template(pool, pool.roles[0], config)["spec"]
