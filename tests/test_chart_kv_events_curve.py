@@ -1,21 +1,25 @@
 """The chart's CURVE keys for the engines' KV-event sockets, end to end from the rendered chart:
-its hook Job's program makes the two Secrets (in an emulated API server), the operator renders
-engine pods from the chart's operator flags, and real pyzmq sockets take each side's keys from
-the Secret its pod mounts. A replay request without the picker's key gets nothing."""
+its hook Job's program makes the two Secrets on a real kube-apiserver (logged in as the hook's
+ServiceAccount, with the chart's hook Roles: RBAC judges it), the operator renders engine pods
+from the chart's operator flags, and real pyzmq sockets take each side's keys from the Secret
+its pod mounts. A replay request without the picker's key gets nothing."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import base64
+import contextlib
+import functools
 import pathlib
+import secrets as tokens
+import tempfile
 import time
 
-import kmock
 import pytest
 import yaml
 import zmq
-from kube_emulator import ApiServerEmulator
+from kube_api import ControlPlane, control_plane
+from kube_chart import apply, denied, is_hook, requests_by, username
 from test_chart import CHART, render
 
 from sluice import zmq_curve_secrets as hook
@@ -45,33 +49,83 @@ def _ensure_events(api, args) -> str:
     return hook.ensure(api, args.engines, args.picker, dict(args.label))
 
 
-def run_hook(job_args: list[str], secrets: dict | None = None,
-             ensure=_ensure_events) -> tuple[str, dict]:
-    """The hook Job's program (its `ensure` part: the KV-events pairs by default), with the
-    Job's own arguments, against an emulated API server holding `secrets`
-    ((namespace, name) -> Secret); what it answered, and the Secrets after."""
-    from kubernetes import client
+RELEASE_NS = "sluice"  # where the tests render the chart (test_chart.render)
+
+
+@functools.cache
+def _hook_identity() -> tuple[str, list[dict]]:
+    """The hook's ServiceAccount name and its Roles' rules, as the chart renders them."""
+    manifests = [m for m in render() if is_hook(m)]
+    (sa,) = [m["metadata"]["name"] for m in manifests if m["kind"] == "ServiceAccount"]
+    (rules,) = [m["rules"] for m in manifests if m["kind"] == "Role"]
+    return sa, rules
+
+
+def run_hook(job_args: list[str], secrets: dict | None = None, ensure=_ensure_events,
+             plane: ControlPlane | None = None) -> tuple[str, dict]:
+    """The hook Job's program (its `ensure` part: the KV-event pairs by default), with the
+    Job's own arguments, on the real API server `plane` (without one: a control plane of
+    its own for the call) holding `secrets` ((namespace, name) -> Secret); what it answered,
+    and the Secrets after. It runs as the chart's hook ServiceAccount, with the chart's hook
+    Role in each namespace it names, and no request of it may be refused. Each namespace it
+    names is a fresh one on the server (the tests share it), mapped back in what it returns."""
+    if plane is None:
+        with (tempfile.TemporaryDirectory() as root,
+              control_plane(pathlib.Path(root)) as own):
+            return run_hook(job_args, secrets, ensure, own)
+    from kubernetes import client, config
 
     args = hook.parse_args(job_args)
+    secrets = secrets or {}
+    named = {RELEASE_NS, *(ns for ns, _ in secrets),
+             *(r.namespace for r in [*args.engines, *args.kv_transfer, args.picker] if r)}
+    real = {ns: f"{ns}-{tokens.token_hex(3)}" for ns in sorted(named)}
+    back = {v: k for k, v in real.items()}
 
-    async def scenario():
-        async with ApiServerEmulator() as api, kmock.Server(api) as server:
-            kind = api.kind("secrets")
-            for body in (secrets or {}).values():
-                api.store.create(kind, body["metadata"]["namespace"], body)
-            config = client.Configuration()
-            config.host = str(server.url).rstrip("/")
-            with client.ApiClient(config) as api_client:
-                try:
-                    what = await asyncio.to_thread(ensure, client.CoreV1Api(api_client), args)
-                except hook.BrokenPair as err:
-                    what = f"broken: {err}"
-            after = {(s["metadata"]["namespace"], s["metadata"]["name"]): s
-                     for ns in ("sluice", "team-a", "team-b")
-                     for s in api.store.list(kind, ns)}
-            return what, after
-
-    return asyncio.run(asyncio.wait_for(scenario(), 30))
+    def moved(ref: hook.SecretRef | None) -> hook.SecretRef | None:
+        return ref and hook.SecretRef(real[ref.namespace], ref.name)
+    args.engines = [moved(r) for r in args.engines]
+    args.kv_transfer = [moved(r) for r in args.kv_transfer]
+    args.picker = moved(args.picker)
+    sa, rules = _hook_identity()
+    rbac = [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}
+            for ns in real.values()]
+    rbac.append({"apiVersion": "v1", "kind": "ServiceAccount",
+                 "metadata": {"name": sa, "namespace": real[RELEASE_NS]}})
+    for ns in real.values():
+        meta = {"name": sa, "namespace": ns}
+        rbac += [{"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+                  "metadata": meta, "rules": rules},
+                 {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+                  "metadata": meta, "roleRef": {"apiGroup": "rbac.authorization.k8s.io",
+                                                "kind": "Role", "name": sa},
+                  "subjects": [{"kind": "ServiceAccount", "name": sa,
+                                "namespace": real[RELEASE_NS]}]}]
+    try:
+        apply(plane, rbac)
+        for (ns, name), body in secrets.items():
+            plane.request("POST", f"/api/v1/namespaces/{real[ns]}/secrets", {
+                "apiVersion": "v1", "kind": "Secret", "type": body.get("type", "Opaque"),
+                "metadata": {"name": name, "namespace": real[ns],
+                             "labels": body["metadata"].get("labels") or {}},
+                "data": body["data"]})
+        kubeconfig = plane.kubeconfig(plane.token_for(real[RELEASE_NS], sa),
+                                      f"hook-{real[RELEASE_NS]}")
+        with contextlib.closing(config.new_client_from_config(str(kubeconfig))) as api_client:
+            try:
+                what = ensure(client.CoreV1Api(api_client), args)
+            except hook.BrokenPair as err:
+                what = f"broken: {err}"
+        for ns, name in back.items():  # its words name the namespaces it was given
+            what = what.replace(f"{ns}/", f"{name}/")
+        refused = denied(requests_by(plane, username(real[RELEASE_NS], sa)))
+        assert refused == [], f"requests the chart's hook Roles refused: {refused}"
+        after = {(back[ns], s["metadata"]["name"]): s for ns in real.values()
+                 for s in plane.request("GET", f"/api/v1/namespaces/{ns}/secrets")["items"]}
+        return what, after
+    finally:
+        for ns in real.values():
+            plane.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +134,10 @@ def chart():
 
 
 @pytest.fixture(scope="module")
-def made(chart):
+def made(chart, kube_plane):
     """The Secrets the rendered hook Job makes in an empty cluster."""
-    what, secrets = run_hook(_container_args(_one(chart, "Job", "-kv-events-keys")))
+    what, secrets = run_hook(_container_args(_one(chart, "Job", "-kv-events-keys")),
+                             plane=kube_plane)
     assert what == "created"
     return secrets
 
@@ -130,7 +185,7 @@ def replay(sock: zmq.Socket, timeout_s: float) -> list[list[bytes]]:
     return frames
 
 
-def test_the_hook_makes_one_pair_split_by_side_and_keeps_it(chart, made):
+def test_the_hook_makes_one_pair_split_by_side_and_keeps_it(chart, made, kube_plane):
     job = _one(chart, "Job", "-kv-events-keys")
     engines = made["sluice", "rel-sluice-kv-events-engines"]
     picker = made["sluice", "rel-sluice-kv-events-picker"]
@@ -140,21 +195,22 @@ def test_the_hook_makes_one_pair_split_by_side_and_keeps_it(chart, made):
     assert engines["metadata"]["labels"] == {"app.kubernetes.io/part-of": "sluice",
                                              "app.kubernetes.io/instance": "rel"}
     # an upgrade's run changes nothing
-    what, after = run_hook(_container_args(job), made)
+    what, after = run_hook(_container_args(job), made, plane=kube_plane)
     assert what == "kept"
     assert {k: s["data"] for k, s in after.items()} == {k: s["data"] for k, s in made.items()}
     # one of the pair deleted: no new keys that running pods would not match
     what, after = run_hook(_container_args(job), {k: made[k] for k in [
-        ("sluice", "rel-sluice-kv-events-engines")]})
+        ("sluice", "rel-sluice-kv-events-engines")]}, plane=kube_plane)
     assert what.startswith("broken:") and "picker's Secret is missing" in what
     assert "Delete sluice/rel-sluice-kv-events-engines to make a new pair" in what
     assert list(after) == [("sluice", "rel-sluice-kv-events-engines")]
 
 
-def test_a_newly_watched_namespace_gets_a_copy_of_the_engines_keys(made):
+def test_a_newly_watched_namespace_gets_a_copy_of_the_engines_keys(made, kube_plane):
     """An upgrade that adds a pools' namespace: its engines get the same pair."""
     grown = render("watchNamespaces={sluice,team-a}")
-    what, after = run_hook(_container_args(_one(grown, "Job", "-kv-events-keys")), made)
+    what, after = run_hook(_container_args(_one(grown, "Job", "-kv-events-keys")), made,
+                           plane=kube_plane)
     assert what == "kept, copied to team-a/rel-sluice-kv-events-engines"
     assert after["team-a", "rel-sluice-kv-events-engines"]["data"] == \
         made["sluice", "rel-sluice-kv-events-engines"]["data"]
@@ -162,14 +218,16 @@ def test_a_newly_watched_namespace_gets_a_copy_of_the_engines_keys(made):
         made["sluice", "rel-sluice-kv-events-picker"]["data"]
     # pools moved out of the release namespace: the copy there is the source
     moved = render("watchNamespaces={team-b}")
-    what, after = run_hook(_container_args(_one(moved, "Job", "-kv-events-keys")), made)
+    what, after = run_hook(_container_args(_one(moved, "Job", "-kv-events-keys")), made,
+                           plane=kube_plane)
     assert what == "kept, copied to team-b/rel-sluice-kv-events-engines"
     assert after["team-b", "rel-sluice-kv-events-engines"]["data"] == \
         made["sluice", "rel-sluice-kv-events-engines"]["data"]
     other = {"metadata": {"name": "rel-sluice-kv-events-engines", "namespace": "team-a"},
              "data": {"server.key": "eA=="}}
     what, _ = run_hook(_container_args(_one(grown, "Job", "-kv-events-keys")),
-                       {**made, ("team-a", "rel-sluice-kv-events-engines"): other})
+                       {**made, ("team-a", "rel-sluice-kv-events-engines"): other},
+                       plane=kube_plane)
     assert what.startswith("broken:") and "engines' Secrets differ" in what
 
 

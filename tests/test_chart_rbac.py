@@ -1,85 +1,159 @@
-"""The chart's operator RBAC allows every request the operator actually makes (recorded by
-the emulator over a full lifecycle with peering), and nothing on Secrets: a ClusterRole
-only when it serves every namespace, else a Role per watched namespace and not one
-request outside them. Pool authors get aggregated ClusterRoles; each shape validates."""
+"""The chart's RBAC on a real kube-apiserver, whose RBAC authorizer judges every request.
+The operator runs with the token of the chart's ServiceAccount, bound as the chart binds
+it, through a full lifecycle with peering: the audit log must show no request refused and
+none on Secrets; a ClusterRole only when it serves every namespace, else a Role per watched
+namespace and not one request outside them. The picker's token may read exactly what its
+discovery reads. Pool authors get InferencePools through Kubernetes' default roles."""
 
 from __future__ import annotations
 
 import asyncio
-import copy
+import json
 import pathlib
+import urllib.error
+from urllib.parse import quote
 
+import kopf
 import pytest
 import yaml
-from k8s_controllers import controllers
-from k8s_harness import cluster, connection, eventually, operator
-from test_chart import VERSIONS, _validate, render
-from test_operator_peering import _settings
+from k8s_harness import client, eventually, operator
+from k8s_kubelet import kubelet
+from kube_chart import (
+    CHART_CRDS,
+    PEERING_KINDS,
+    RBAC_KINDS,
+    denied,
+    install_crds,
+    installed,
+    login,
+    made,
+    namespace,
+    operator_config,
+    pick,
+    render,
+    requests_by,
+    service_account,
+    unique_release,
+    username,
+)
+from test_chart import VERSIONS, _validate
 
+from sluice import labels
 from sluice.operator import kube
 from sluice.operator.autoscale import LoadSample
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+POOL = yaml.safe_load((ROOT / "charts/sluice/examples/pool-cpu.yaml").read_text())
+NAME = "smollm2"
 
 
-def _allowed(rules: list[dict], verb: str, group: str, resource: str) -> bool:
-    return any(group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"]
-               for r in rules)
+@pytest.fixture(scope="module")
+def plane(kube_controllers):
+    """The session's API server and controllers, with the chart's CRDs (kopf's peerings)."""
+    install_crds(kube_controllers, *CHART_CRDS)
+    return kube_controllers
 
 
-async def _peering(api, client: kube.KubeClient, namespace: str | None) -> None:
-    """The chart's kopf peering CRDs, and the peering object the chart installs."""
-    for crd in yaml.safe_load_all((ROOT / "charts/sluice/crds/kopf-peerings.yaml").read_text()):
-        api.register_crd(crd)
-    ref = kube.PEERINGS if namespace else kube.CLUSTER_PEERINGS
-    kind = "KopfPeering" if namespace else "ClusterKopfPeering"
-    await client.create(ref, namespace, {"apiVersion": "kopf.dev/v1", "kind": kind,
-                                         "metadata": {"name": "sluice"}})
+def _settings() -> kopf.OperatorSettings:
+    settings = kopf.OperatorSettings()
+    # seconds a silent peer still counts as alive: long enough that one slow second on a
+    # loaded machine does not end this replica's turn
+    settings.peering.lifetime = 10
+    settings.queueing.idle_timeout = 0.5
+    settings.queueing.exit_timeout = 0.5
+    settings.background.instant_exit_timeout = 0.05
+    return settings
 
 
-def _lifecycle(ns: str, namespaces: tuple[str, ...]):
-    """Every kind of request: create, autoscale, update, drift, switch to roles, delete."""
-    body = yaml.safe_load((ROOT / "charts/sluice/examples/pool-cpu.yaml").read_text())
-    body["spec"]["autoscaling"] = {"enabled": True, "maxReplicas": 2,
-                                   "scaleUpStabilizationSeconds": 0}
+async def _busy(endpoints, role):
+    return LoadSample(0.99, 0.0, 1) if endpoints else None
 
-    async def busy(endpoints, role):
-        return LoadSample(0.99, 0.0, 1) if endpoints else None
 
-    async def scenario():
-        async with cluster() as (api, server), controllers(api):
-            client = kube.KubeClient.from_connection(connection(server))
-            client._http.headers["User-Agent"] = "test-client"  # not the operator's requests
-            await _peering(api, client, ns if namespaces else None)
-            async with operator(server, standalone=False, priority=1, settings=_settings(),
-                                sampler=busy, autoscale_interval_s=0.2, namespaces=namespaces):
-                await client.create(kube.POOLS, ns, body)
-                pool = lambda: api.store.get(api.kind("inferencepools"), ns, "smollm2")
-                await eventually(lambda: pool()["spec"]["replicas"] == 2, 10, "autoscaled")
-                await client.patch(kube.POOLS, ns, "smollm2",
-                                   {"spec": {"engine": {"maxNumSeqs": 8}}})
-                await eventually(lambda: "8" in api.store.get(
-                    api.kind("deployments"), ns, "smollm2-serve")["spec"]["template"][
-                    "spec"]["containers"][0]["args"], 5, "updated")
-                await client.delete(kube.DEPLOYMENTS, ns, "smollm2-serve")
-                await eventually(lambda: api.store.get(api.kind("deployments"), ns,
-                                                       "smollm2-serve"), 5, "drift repaired")
-                switched = copy.deepcopy({"spec": {"replicas": None, "autoscaling": None,
-                                                   "roles": {"prefill": {}, "decode": {}}}})
-                await client.patch(kube.POOLS, ns, "smollm2", switched)
-                # the roles' deployments and no other (a count of 2 was also met while
-                # the new ones were being created, before the old one was deleted)
-                await eventually(lambda: sorted(d["metadata"]["name"] for d in api.store.list(
-                    api.kind("deployments"), ns)) == ["smollm2-decode",
-                                                       "smollm2-prefill"], 5, "pruned")
-                await client.delete(kube.POOLS, ns, "smollm2")
-                await eventually(lambda: not api.store.list(api.kind("inferencepools"), ns),
-                                 5, "deleted")
-            await client.close()
-        return [(call, namespace) for call, namespace in zip(api.calls, api.namespaces)
-                if call[0].startswith(("kopf/", kube.USER_AGENT))]
+def _lifecycle(plane, release_ns: str, pools_ns: str, watch: str) -> tuple[list[dict], str]:
+    """Install the chart's RBAC and peering for `watchNamespaces=watch` (release in
+    `release_ns`), run the operator as its ServiceAccount with the chart's flags through
+    every kind of request: create, autoscale, update, drift, switch to roles, delete.
+    The manifests, and the operator's user name."""
+    manifests = render(f"watchNamespaces={watch}", release=unique_release(),
+                       namespace=release_ns)
+    body = {**POOL, "spec": {**POOL["spec"], "autoscaling": {
+        "enabled": True, "maxReplicas": 2, "scaleUpStabilizationSeconds": 0}}}
 
-    return asyncio.run(asyncio.wait_for(scenario(), 60))
+    async def scenario(kubeconfig: pathlib.Path) -> None:
+        async with (client(plane.admin_kubeconfig) as api, kubelet(api, pools_ns),
+                    operator(plane, kubeconfig=kubeconfig, standalone=False, priority=1,
+                             settings=_settings(), sampler=_busy, autoscale_interval_s=0.2,
+                             **operator_config(manifests))):
+            await api.create(kube.POOLS, pools_ns, body)
+
+            async def spec(key: str):
+                return (await api.get(kube.POOLS, pools_ns, NAME))["spec"].get(key)
+            await eventually(lambda: _is(spec("replicas"), 2), 60, "autoscaled to 2")
+            await api.patch(kube.POOLS, pools_ns, NAME, {"spec": {"engine": {"maxNumSeqs": 8}}})
+
+            async def args() -> list[str]:
+                dep = await api.get(kube.DEPLOYMENTS, pools_ns, "smollm2-serve")
+                return dep["spec"]["template"]["spec"]["containers"][0]["args"]
+            await eventually(lambda: _has(args(), "8"), 30, "updated")
+            uid = (await api.get(kube.DEPLOYMENTS, pools_ns, "smollm2-serve"))["metadata"]["uid"]
+            await api.delete(kube.DEPLOYMENTS, pools_ns, "smollm2-serve")
+
+            async def recreated() -> bool:
+                dep = await api.get(kube.DEPLOYMENTS, pools_ns, "smollm2-serve")
+                return dep["metadata"]["uid"] != uid
+            await eventually(recreated, 30, "drift repaired")
+            await api.patch(kube.POOLS, pools_ns, NAME, {"spec": {
+                "replicas": None, "autoscaling": None, "roles": {"prefill": {}, "decode": {}}}})
+
+            async def deployments() -> list[str]:
+                return sorted(d["metadata"]["name"]
+                              for d in await api.list(kube.DEPLOYMENTS, pools_ns))
+            # the roles' Deployments and no other (a count of 2 was also met while the new
+            # ones were being created, before the old one was deleted)
+            await eventually(lambda: _is(deployments(), ["smollm2-decode", "smollm2-prefill"]),
+                             30, "pruned")
+            await api.delete(kube.POOLS, pools_ns, NAME)
+
+            async def gone() -> bool:
+                return not await api.list(kube.POOLS, pools_ns)
+            await eventually(gone, 30, "deleted (the finalizer removed)")
+
+    with installed(plane, pick(manifests, RBAC_KINDS + PEERING_KINDS)):
+        sa = service_account(manifests, "-operator")
+        _, kubeconfig = login(plane, *sa)
+        asyncio.run(asyncio.wait_for(scenario(kubeconfig), 240))
+    return manifests, username(*sa)
+
+
+async def _is(value, expected) -> bool:
+    return await value == expected
+
+
+async def _has(values, item) -> bool:
+    return item in await values
+
+
+def _check_requests(plane, user: str) -> list[dict]:
+    """The operator's requests: none refused, none on Secrets, every kind of verb."""
+    events = requests_by(plane, user)
+    assert events, f"no request by {user}"
+    assert denied(events) == [], f"requests the chart's RBAC refused the operator: " \
+                                 f"{denied(events)}"
+    calls = made(events)
+    assert not any(resource.startswith("secrets") for _, _, resource in calls), calls
+    verbs = {v for v, _, _ in calls}
+    assert {"create", "patch", "delete", "watch", "list", "get"} <= verbs, calls
+    # the children it renders, its pools' status, peering, Events
+    assert {("patch", "apps", "deployments"), ("patch", "sluice.dev", "inferencepools/status"),
+            ("patch", "kopf.dev", "kopfpeerings" if _namespaced(events) else
+             "clusterkopfpeerings"), ("create", "", "events"),
+            ("delete", "apps", "deployments")} <= calls, calls
+    return events
+
+
+def _namespaced(events: list[dict]) -> bool:
+    return not any(e.get("objectRef", {}).get("resource") == "clusterkopfpeerings"
+                   for e in events)
 
 
 def _role(manifests: list[dict], kind: str) -> dict:
@@ -87,36 +161,42 @@ def _role(manifests: list[dict], kind: str) -> dict:
                 and m["metadata"]["name"].endswith("-operator"))
 
 
-def test_operator_cluster_role_covers_every_request_it_makes():
-    calls = _lifecycle("default", ())
-    made = {(verb, group, resource) for (_, verb, group, resource), _ in calls}
-    verbs = {v for v, _, _ in made}
-    assert {"create", "update", "patch", "delete", "watch", "list", "get"} <= verbs, made
-    manifests = render("watchNamespaces={*}")
+def test_operator_cluster_role_covers_every_request_it_makes(plane, kube_ns):
+    with namespace(plane, "pools") as pools:
+        manifests, user = _lifecycle(plane, kube_ns, pools, "{*}")
+        events = _check_requests(plane, user)
+    # served by the ClusterRole: pools outside the release namespace, CRD scanning
+    assert {e["objectRef"].get("namespace") for e in events if e.get("objectRef")} >= {pools}
+    assert ("list", "apiextensions.k8s.io", "customresourcedefinitions") in made(events)
     role = _role(manifests, "ClusterRole")
-    missing = sorted(c for c in made if not _allowed(role["rules"], *c))
-    assert missing == [], f"requests the operator makes that its ClusterRole denies: {missing}"
-    assert not any(resource == "secrets" for _, _, resource in made)
+    assert not any(r in ("secrets", "*") for rule in role["rules"] for r in rule["resources"])
     assert not any(m["kind"] == "Role" and m["metadata"]["name"].endswith(("-operator",
                                                                            "-picker"))
                    for m in manifests)
 
 
-def test_a_namespaced_operator_needs_only_roles_in_its_namespaces():
-    calls = _lifecycle("team-a", ("team-a",))
-    outside = sorted({(call, ns) for call, ns in calls if ns != "team-a"})
+def test_a_namespaced_operator_needs_only_roles_in_its_namespaces(plane, kube_ns):
+    with namespace(plane, "team-a") as team_a:
+        manifests, user = _lifecycle(plane, kube_ns, team_a, f"{{{team_a}}}")
+        events = _check_requests(plane, user)
+    outside = sorted({f"{e['verb']} {e['requestURI']}" for e in events
+                      if e.get("objectRef", {}).get("namespace") != team_a
+                      and not _discovery(e)})
     assert outside == [], f"requests outside the watched namespace: {outside}"
-    made = {(verb, group, resource) for (_, verb, group, resource), _ in calls}
-    manifests = render("watchNamespaces={team-a}")
     role = _role(manifests, "Role")
-    assert role["metadata"]["namespace"] == "team-a"
-    missing = sorted(c for c in made if not _allowed(role["rules"], *c))
-    assert missing == [], f"requests the operator makes that its Role denies: {missing}"
+    assert role["metadata"]["namespace"] == team_a
     binding = _role(manifests, "RoleBinding")
-    assert (binding["metadata"]["namespace"], binding["roleRef"]["kind"]) == ("team-a", "Role")
-    assert binding["subjects"][0]["namespace"] == "sluice"  # the operator's own namespace
+    assert (binding["metadata"]["namespace"], binding["roleRef"]["kind"]) == (team_a, "Role")
+    assert binding["subjects"][0]["namespace"] == kube_ns  # the operator's own namespace
+    release = binding["metadata"]["name"].removesuffix("-operator")
     cluster_roles = {m["metadata"]["name"] for m in manifests if m["kind"] == "ClusterRole"}
-    assert cluster_roles == {"rel-sluice-inferencepools-edit", "rel-sluice-inferencepools-view"}
+    assert cluster_roles == {f"{release}-inferencepools-edit", f"{release}-inferencepools-view"}
+
+
+def _discovery(event: dict) -> bool:
+    """API discovery (what groups and resources the server has): no object, any user may."""
+    return (not event.get("objectRef") and event["verb"] == "get"
+            and event["requestURI"].split("?")[0].startswith(("/api", "/apis", "/version")))
 
 
 def test_several_namespaces_get_a_role_each_for_the_operator_and_the_picker():
@@ -132,22 +212,128 @@ def test_several_namespaces_get_a_role_each_for_the_operator_and_the_picker():
     assert {v for r in picker["rules"] for v in r["verbs"]} == {"get", "list", "watch"}
 
 
-def test_pool_authors_get_inferencepools_through_the_default_roles():
-    manifests = render()
-    edit = next(m for m in manifests if m["metadata"]["name"] == "rel-sluice-inferencepools-edit")
-    view = next(m for m in manifests if m["metadata"]["name"] == "rel-sluice-inferencepools-view")
-    labels = edit["metadata"]["labels"]
-    assert labels["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
-    assert labels["rbac.authorization.k8s.io/aggregate-to-admin"] == "true"
+# What every authenticated user may do (system:basic-user): not the chart's doing.
+_ANYONE = {("authorization.k8s.io", "selfsubjectaccessreviews"),
+           ("authorization.k8s.io", "selfsubjectrulesreviews"),
+           ("authentication.k8s.io", "selfsubjectreviews")}
+# What the picker's discovery reads: engine pods, and the pools they belong to.
+DISCOVERY = {(verb, group, resource) for verb in ("get", "list", "watch")
+             for group, resource in (("", "pods"), ("sluice.dev", "inferencepools"))}
+
+
+def _granted(plane, token: str, ns: str) -> set[tuple[str, str, str]]:
+    """(verb, group, resource) the token may use in `ns`, as the server's authorizer lists
+    them (SelfSubjectRulesReview, what `kubectl auth can-i --list` shows)."""
+    review = plane.request("POST", "/apis/authorization.k8s.io/v1/selfsubjectrulesreviews",
+                           {"apiVersion": "authorization.k8s.io/v1",
+                            "kind": "SelfSubjectRulesReview", "spec": {"namespace": ns}},
+                           token=token)
+    granted = set()
+    for rule in review["status"]["resourceRules"]:
+        assert not rule.get("resourceNames"), rule
+        for group in rule.get("apiGroups", ()):
+            for resource in rule["resources"]:
+                if (group, resource) not in _ANYONE:
+                    granted |= {(verb, group, resource) for verb in rule["verbs"]}
+    return granted
+
+
+def _status(plane, path: str, token: str) -> int:
+    try:
+        plane.request("GET", path, token=token)
+    except urllib.error.HTTPError as e:
+        return e.code
+    return 200
+
+
+@pytest.mark.parametrize("shape", ["namespaced", "cluster-wide", "gie"])
+def test_the_picker_may_read_what_its_discovery_reads_and_nothing_else(plane, kube_ns, shape):
+    with namespace(plane, "pools") as other:
+        # GIE mode serves pools in the release namespace only (the picker's Service is there)
+        pools, elsewhere = (kube_ns, other) if shape == "gie" else (other, kube_ns)
+        watch = "{*}" if shape == "cluster-wide" else f"{{{pools}}}"
+        manifests = render(f"watchNamespaces={watch}", *(["gie.enabled=true"]
+                                                         if shape == "gie" else []),
+                           release=unique_release(), namespace=kube_ns)
+        with installed(plane, pick(manifests, RBAC_KINDS)):
+            sa = service_account(manifests, "-picker")
+            token, _ = login(plane, *sa)
+            assert _granted(plane, token, pools) == DISCOVERY
+            # a namespace not watched: nothing there unless cluster-wide
+            assert _granted(plane, token, elsewhere) == (DISCOVERY if shape == "cluster-wide"
+                                                       else set())
+            # the requests discovery makes: list and watch the engine pods of the namespace
+            selector = quote(labels.engine_selector())
+            for path in (f"/api/v1/namespaces/{pools}/pods?labelSelector={selector}",
+                         (f"/api/v1/namespaces/{pools}/pods?watch=1&timeoutSeconds=1"
+                          f"&labelSelector={selector}"),
+                         f"/apis/sluice.dev/v1alpha1/namespaces/{pools}/inferencepools"):
+                assert _status(plane, path, token) == 200, path
+            everywhere = 200 if shape == "cluster-wide" else 403
+            assert _status(plane, "/api/v1/pods", token) == everywhere
+            assert _status(plane, f"/api/v1/namespaces/{pools}/secrets", token) == 403
+            gie = f"/apis/inference.networking.k8s.io/v1/namespaces/{pools}/inferencepools"
+            assert _status(plane, gie, token) == 403
+        # refused: those and only those
+        assert sorted(denied(requests_by(plane, username(*sa)))) == sorted([
+            "list /api/v1/pods", f"list /api/v1/namespaces/{pools}/secrets",
+            f"list {gie}"][everywhere == 200:])
+
+
+def test_pool_authors_get_inferencepools_through_the_default_roles(plane, kube_ns):
+    manifests = render(release=unique_release(), namespace=kube_ns)
+    release = _role(manifests, "Role")["metadata"]["name"].removesuffix("-operator")
+    edit = next(m for m in manifests if m["metadata"]["name"] == f"{release}-inferencepools-edit")
+    view = next(m for m in manifests if m["metadata"]["name"] == f"{release}-inferencepools-view")
+    assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
+    assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-admin"] == "true"
     assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
-    assert _allowed(edit["rules"], "create", "sluice.dev", "inferencepools")
-    assert _allowed(edit["rules"], "patch", "sluice.dev", "inferencepools/scale")  # kubectl scale
-    assert not _allowed(edit["rules"], "patch", "sluice.dev", "inferencepools/status")  # ours
-    assert {v for r in view["rules"] for v in r["verbs"]} == {"get", "list", "watch"}
     assert {r for rule in edit["rules"] + view["rules"] for r in rule["resources"]} <= {
         "inferencepools", "inferencepools/status", "inferencepools/scale"}
     off = render("operator.aggregateToDefaultRoles=false")
     assert not any("inferencepools-" in m["metadata"]["name"] for m in off)
+    # on the server: authors bound to Kubernetes' own edit and view roles in a namespace
+    # (kube-controller-manager aggregates the chart's rules into them)
+    authors = [{"apiVersion": "v1", "kind": "ServiceAccount",
+                "metadata": {"name": role, "namespace": kube_ns}} for role in ("edit", "view")]
+    bindings = [{"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+                 "metadata": {"name": f"author-{role}", "namespace": kube_ns},
+                 "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                             "name": role},
+                 "subjects": [{"kind": "ServiceAccount", "name": role, "namespace": kube_ns}]}
+                for role in ("edit", "view")]
+    with installed(plane, [edit, view, *authors, *bindings]):
+        tokens = {role: login(plane, kube_ns, role)[0] for role in ("edit", "view")}
+
+        def can(role: str, verb: str, resource: str) -> bool:
+            sub = resource.partition("/")[2]
+            review = plane.request(
+                "POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
+                {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
+                 "spec": {"resourceAttributes": {
+                     "namespace": kube_ns, "verb": verb, "group": "sluice.dev",
+                     "resource": "inferencepools", "subresource": sub}}},
+                token=tokens[role])
+            return review["status"]["allowed"]
+
+        async def aggregated() -> bool:
+            return can("edit", "create", "p") and can("view", "list", "p")
+        asyncio.run(eventually(aggregated, 30, "the default roles aggregate the chart's"))
+        assert can("edit", "patch", "p/scale")  # kubectl scale
+        assert can("edit", "delete", "p") and can("edit", "get", "p/status")
+        assert not can("edit", "patch", "p/status")  # the operator's
+        assert can("view", "watch", "p") and can("view", "get", "p/scale")
+        assert not any(can("view", verb, "p") for verb in ("create", "patch", "delete"))
+        # and the real thing: an author creates a pool, a viewer may not
+        pool = json.loads(json.dumps(POOL))
+        pool["metadata"]["namespace"] = kube_ns
+        plane.request("POST", f"/apis/sluice.dev/v1alpha1/namespaces/{kube_ns}/inferencepools",
+                      pool, token=tokens["edit"])
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            plane.request("PATCH", f"/apis/sluice.dev/v1alpha1/namespaces/{kube_ns}/"
+                          f"inferencepools/{NAME}", {"spec": {"replicas": 2}},
+                          token=tokens["view"], content_type="application/merge-patch+json")
+        assert refused.value.code == 403
 
 
 @pytest.mark.parametrize("version", VERSIONS)

@@ -1,129 +1,175 @@
-"""GIE mode against the emulated API server: the operator writes a GIE InferencePool per pool
-(validated by the emulator against GIE's v1 schema, as the real CRD would), repairs it,
-leaves it to the garbage collector, degrades the pool when GIE's CRD is missing, and the
-chart's GIE-mode ClusterRole allows every request it makes."""
+"""GIE mode on a real kube-apiserver with GIE's own InferencePool CRD (v1.6.0, in
+tests/crds/gie/): the operator, logged in with the token of the chart's GIE-mode
+ServiceAccount and flags, writes a GIE InferencePool per pool (the server validates it by
+GIE's schema), repairs it, leaves it to the garbage collector, and the RBAC authorizer
+refuses none of its requests; without GIE's CRD the pool is Degraded but its engines run."""
 
 from __future__ import annotations
 
 import asyncio
 import pathlib
 
+import pytest
 import yaml
-from k8s_controllers import controllers
-from k8s_harness import cluster, connection, eventually, operator
-from k8s_store import Kind
-from test_chart import render
-from test_chart_rbac import _allowed
-from test_gie_render import gie_errors
+from k8s_harness import View, client, eventually, operator
+from k8s_kubelet import kubelet
+from kube_chart import (
+    GIE_CRD,
+    RBAC_KINDS,
+    denied,
+    install_crds,
+    installed,
+    login,
+    made,
+    operator_config,
+    pick,
+    render,
+    requests_by,
+    service_account,
+    unique_release,
+    username,
+)
 
+from sluice import labels
 from sluice.operator import kube, render_gie
 from sluice.operator.render_gie import GieConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CPU_POOL = yaml.safe_load((ROOT / "charts/sluice/examples/pool-cpu.yaml").read_text())
-NS, NAME = "default", "smollm2"
+NAME = "smollm2"
 GIE = GieConfig(picker_service="rel-sluice-picker")
 GROUP = render_gie.GROUP
+GIE_CRD_NAME = f"{render_gie.GIE_POOLS.plural}.{GROUP}"
 
 
-def install_gie_crd(api) -> None:
-    """Serve GIE's InferencePool and validate it with GIE's schema. The emulator keys
-    validators by plural, which ours shares, so one validator dispatches on the group."""
-    api.register(Kind(GROUP, "v1", "inferencepools", "InferencePool", True, ("status",)))
-    ours = api.store.validators["inferencepools"]
-
-    def validate(obj):
-        if obj.get("apiVersion", "").startswith(GROUP + "/"):
-            return obj, gie_errors(obj)
-        return ours(obj)
-    api.store.validators["inferencepools"] = validate
+@pytest.fixture
+def gie_crd(kube_controllers):
+    """The session's API server serving GIE's InferencePool."""
+    install_crds(kube_controllers, GIE_CRD)
+    return kube_controllers
 
 
-def _gie(api):
-    return api.store.get(api.kind("inferencepools", GROUP), NS, NAME)
-
-
-def _ours(api):
-    return api.store.get(api.kind("inferencepools", "sluice.dev"), NS, NAME)
-
-
-def _condition(api, type_):
-    return next(c for c in _ours(api)["status"]["conditions"] if c["type"] == type_)
+@pytest.fixture
+def no_gie_crd(kube_controllers):
+    """The session's API server without GIE's CRD (put back after, if it was there)."""
+    plane = kube_controllers
+    had = plane.kubectl("get", f"crd/{GIE_CRD_NAME}", check=False).returncode == 0
+    plane.kubectl("delete", f"crd/{GIE_CRD_NAME}", "--ignore-not-found", "--timeout=60s")
+    plane.forget_discovery()
+    yield plane
+    if had:
+        install_crds(plane, GIE_CRD)
 
 
 def run(scenario):
-    return asyncio.run(asyncio.wait_for(scenario(), 60))
+    return asyncio.run(asyncio.wait_for(scenario(), 120))
 
 
-def test_gie_pool_is_created_repaired_and_garbage_collected():
-    async def scenario():
-        async with cluster() as (api, server), controllers(api):
-            install_gie_crd(api)
-            # the pools' namespace only, as the chart runs it by default (its Role, below)
-            async with operator(server, gie=GIE, resync_interval_s=0.5, namespaces=(NS,)):
-                client = kube.KubeClient.from_connection(connection(server))
-                client._http.headers["User-Agent"] = "test-client"
-                await client.create(kube.POOLS, NS, CPU_POOL)
-                gie = await eventually(lambda: _gie(api), 5, "the GIE pool")
-                assert gie_errors(gie) == []  # also as stored, server fields included
-                uid = _ours(api)["metadata"]["uid"]
-                assert gie["metadata"]["ownerReferences"][0]["uid"] == uid
-                assert gie["spec"]["endpointPickerRef"]["name"] == "rel-sluice-picker"
-                await eventually(lambda: _condition(api, "Ready")["status"] == "True", 5,
-                                 "the pool Ready (the GIE pool is no problem)")
-                # drift: edited by hand, then deleted by hand; the resync timer repairs both
-                await client.patch(render_gie.GIE_POOLS, NS, NAME,
-                                   {"spec": {"endpointPickerRef": {"name": "other"}}})
-                await eventually(lambda: _gie(api)["spec"]["endpointPickerRef"]["name"]
-                                 == "rel-sluice-picker", 5, "edit reverted")
-                await client.delete(render_gie.GIE_POOLS, NS, NAME)
-                await eventually(lambda: _gie(api), 5, "recreated")
-                # deleting the sluice pool takes the GIE pool with it (ownerReferences)
-                await client.delete(kube.POOLS, NS, NAME)
-                await eventually(lambda: not api.store.list(
-                    api.kind("inferencepools", GROUP), NS), 5, "GIE pool collected")
-                await client.close()
-        return api.calls
+async def _condition(view: View, type_: str, field: str = "status") -> str | None:
+    condition = await view.condition(type_)
+    return condition and condition.get(field)
 
-    calls = run(scenario)
-    made = {(verb, group, resource) for agent, verb, group, resource in calls
-            if agent.startswith(("kopf/", kube.USER_AGENT))}
-    assert {("create", GROUP, "inferencepools"), ("update", GROUP, "inferencepools"),
-            ("get", GROUP, "inferencepools")} <= made
-    role = next(m for m in render("gie.enabled=true") if m["kind"] == "Role"
-                and m["metadata"]["name"].endswith("-operator"))
-    missing = sorted(c for c in made if not _allowed(role["rules"], *c))
-    assert missing == [], f"requests the operator makes that its Role denies: {missing}"
+
+def test_gie_pool_is_created_repaired_and_garbage_collected(gie_crd, kube_ns):
+    plane, ns = gie_crd, kube_ns
+    # the chart in GIE mode, released into the pools' namespace (its default: that one only)
+    manifests = render("gie.enabled=true", release=unique_release(), namespace=ns)
+    picker = service_account(manifests, "-picker")[1]
+    config = operator_config(manifests)
+    assert config["gie"] == GieConfig(picker, failure_mode="FailClose", namespace=ns)
+    assert config["namespaces"] == (ns,)
+
+    async def scenario(kubeconfig: pathlib.Path):
+        async with (client(plane.admin_kubeconfig) as api, kubelet(api, ns),
+                    operator(plane, kubeconfig=kubeconfig, resync_interval_s=0.5, **config)):
+            view = View(api, ns)
+            await api.create(kube.POOLS, ns, CPU_POOL)
+            gie = await eventually(lambda: api.get(render_gie.GIE_POOLS, ns, NAME), 20,
+                                   "the GIE pool")
+            # as GIE's CRD stored it, its defaults applied
+            assert gie["spec"]["endpointPickerRef"] == {
+                "group": "", "kind": "Service", "name": picker, "port": {"number": 9002},
+                "failureMode": "FailClose"}
+            assert gie["spec"]["selector"]["matchLabels"][labels.POOL] == NAME
+            assert gie["spec"]["targetPorts"] == [{"number": labels.HTTP_PORT}]
+            uid = (await view.pool())["metadata"]["uid"]
+            assert gie["metadata"]["ownerReferences"][0]["uid"] == uid
+            # the GIE pool selects exactly the pool's engine pods
+            selector = ",".join(f"{k}={v}" for k, v in
+                                gie["spec"]["selector"]["matchLabels"].items())
+            await eventually(lambda: view.ready(1), 30,
+                             "the pool Ready (the GIE pool is no problem)")
+            pods = await api.list(kube.PODS, ns, label_selector=selector)
+            assert [p["metadata"]["name"] for p in pods] == [
+                p["metadata"]["name"] for p in await api.list(kube.PODS, ns)] and pods
+            # drift: edited by hand, then deleted by hand; the resync timer repairs both
+            await api.patch(render_gie.GIE_POOLS, ns, NAME,
+                            {"spec": {"endpointPickerRef": {"name": "other"}}})
+
+            async def reverted() -> bool:
+                gie = await api.get(render_gie.GIE_POOLS, ns, NAME)
+                return gie["spec"]["endpointPickerRef"]["name"] == picker
+            await eventually(reverted, 20, "edit reverted")
+            await api.delete(render_gie.GIE_POOLS, ns, NAME)
+
+            async def recreated() -> bool:
+                gie = await api.get(render_gie.GIE_POOLS, ns, NAME)
+                return gie["metadata"]["uid"] != uid and gie
+            await eventually(recreated, 20, "recreated")
+            # deleting the sluice pool takes the GIE pool with it (ownerReferences)
+            await api.delete(kube.POOLS, ns, NAME)
+
+            async def collected() -> bool:
+                return not await api.list(render_gie.GIE_POOLS, ns)
+            await eventually(collected, 60, "GIE pool collected")
+
+    with installed(plane, pick(manifests, RBAC_KINDS)):
+        sa = service_account(manifests, "-operator")
+        _, kubeconfig = login(plane, *sa)
+        run(lambda: scenario(kubeconfig))
+    events = requests_by(plane, username(*sa))
+    assert denied(events) == [], f"requests the chart's GIE-mode Role refused: {denied(events)}"
+    calls = made(events)
+    assert {("patch", GROUP, "inferencepools"), ("get", GROUP, "inferencepools")} <= calls, calls
+    assert not any(resource.startswith("secrets") for _, _, resource in calls), calls
     default = next(m for m in render() if m["kind"] == "Role"
                    and m["metadata"]["name"].endswith("-operator"))
     assert not any(GROUP in r["apiGroups"] for r in default["rules"])  # only in GIE mode
 
 
-def test_missing_gie_crd_degrades_the_pool_but_its_engines_still_run():
+def test_missing_gie_crd_degrades_the_pool_but_its_engines_still_run(no_gie_crd, kube_ns):
+    plane, ns = no_gie_crd, kube_ns
+
     async def scenario():
-        async with cluster() as (api, server), controllers(api), operator(server, gie=GIE):
-            client = kube.KubeClient.from_connection(connection(server))
-            await client.create(kube.POOLS, NS, CPU_POOL)
-            await eventually(lambda: _condition(api, "Degraded")["reason"] == "GIEPoolFailed",
-                             5, "Degraded: GIEPoolFailed")
-            message = _condition(api, "Degraded")["message"]
-            assert "inferencepools.inference.networking.k8s.io" in message
-            assert api.store.get(api.kind("deployments"), NS, "smollm2-serve")
-            await eventually(lambda: _ours(api)["status"].get("readyReplicas") == 1, 5,
-                             "engines up regardless")
-            await client.close()
+        async with (client(plane.admin_kubeconfig) as api, kubelet(api, ns),
+                    operator(plane, gie=GIE, namespaces=(ns,))):
+            view = View(api, ns)
+            await api.create(kube.POOLS, ns, CPU_POOL)
+            await eventually(lambda: _is(_condition(view, "Degraded", "reason"),
+                                         "GIEPoolFailed"), 20, "Degraded: GIEPoolFailed")
+            message = await _condition(view, "Degraded", "message")
+            assert GIE_CRD_NAME in message
+            assert await view.get(kube.DEPLOYMENTS, "smollm2-serve")
+
+            async def engines_up() -> bool:
+                return (await view.pool())["status"].get("readyReplicas") == 1
+            await eventually(engines_up, 30, "engines up regardless")
     run(scenario)
 
 
-def test_gie_mode_skips_pools_outside_its_namespace():
+async def _is(value, expected) -> bool:
+    return await value == expected
+
+
+def test_gie_mode_skips_pools_outside_its_namespace(gie_crd, kube_ns):
+    plane, ns = gie_crd, kube_ns
+
     async def scenario():
-        async with cluster() as (api, server):
-            install_gie_crd(api)
-            async with operator(server, gie=GieConfig("picker", namespace="sluice")):
-                client = kube.KubeClient.from_connection(connection(server))
-                await client.create(kube.POOLS, NS, CPU_POOL)
-                await eventually(lambda: _ours(api).get("status", {}).get("conditions"), 5,
-                                 "reconciled")
-                assert api.store.list(api.kind("inferencepools", GROUP), NS) == []
-                await client.close()
+        async with (client(plane.admin_kubeconfig) as api,
+                    operator(plane, gie=GieConfig("picker", namespace="sluice"),
+                             namespaces=(ns,))):
+            view = View(api, ns)
+            await api.create(kube.POOLS, ns, CPU_POOL)
+            await eventually(lambda: _condition(view, "Ready"), 20, "reconciled")
+            assert await api.list(render_gie.GIE_POOLS, ns) == []
     run(scenario)

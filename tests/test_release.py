@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 from k8s_tools import tool
+from kube_chart import CHART_CRDS, install_crds, server_errors
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOW = ROOT / ".github" / "workflows" / "release.yml"
@@ -128,7 +129,8 @@ def test_pinning_changes_only_the_image_values_and_keeps_the_comments(tmp_path):
     assert all(re.fullmatch(r"\s+(repository|tag|engineImage): \S.*", b) for _, b in changed)
 
 
-def test_the_pinned_chart_lints_packages_and_renders_every_sluice_image_by_digest(tmp_path):
+def test_the_pinned_chart_lints_packages_and_renders_every_sluice_image_by_digest(
+        tmp_path, kube_plane, kube_ns):
     chart = pinned_chart(tmp_path)
     helm = tool("helm")
 
@@ -147,6 +149,10 @@ def test_the_pinned_chart_lints_packages_and_renders_every_sluice_image_by_diges
     ours = {i for i in images if "/sluice-" in i}
     assert ours == {f"ghcr.io/acme/{name}:1.2.3@{DIGESTS[name]}" for name in IMAGES}
     assert 'app.kubernetes.io/version: "1.2.3"' in rendered
+    # and a real API server takes the package's manifests (pinned references are valid)
+    install_crds(kube_plane, *CHART_CRDS)
+    manifests = run("template", "sluice", str(package), "--namespace", kube_ns)
+    assert server_errors(kube_plane, [d for d in yaml.safe_load_all(manifests) if d]) == ""
 
 
 def test_a_missing_key_or_a_bad_digest_is_refused(tmp_path):
