@@ -1,22 +1,25 @@
 """Failed passes are retried with backoff: a child-event pass (kopf does not retry event
-handlers) by the Retrier, within seconds rather than at the next resync."""
+handlers) by the Retrier, within seconds rather than at the next resync. The API server's
+transient failures (a 503 while etcd changes leader) come from a fault-injecting proxy in
+front of the real one (tests/kube_faults.py): a real server gives none on demand."""
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import pathlib
 
-import httpx
+import aiohttp
 import pytest
 import yaml
-from k8s_harness import cluster, connection, eventually, operator
+from k8s_harness import View, client, eventually, operator
+from kube_faults import FaultProxy
 
 from sluice.operator import kube
 from sluice.operator.retry import Backoff, Retrier
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CPU_POOL = yaml.safe_load((ROOT / "charts/sluice/examples/pool-cpu.yaml").read_text())
-NS, NAME = "default", "smollm2"
 
 
 def test_backoff_doubles_up_to_its_cap():
@@ -35,8 +38,8 @@ def test_transient_errors_are_retried_and_final_ones_are_not():
     async def scenario():
         retrier = Retrier(Backoff(first_s=1, jitter=0, attempts=3), sleep=sleep)
         outcomes = [kube.ApiError(503, "ServiceUnavailable", "etcd leader changed"),
-                    httpx.ConnectError("refused"), kube.ApiError(429, "TooManyRequests", ""),
-                    None]
+                    aiohttp.ClientConnectionError("refused"),
+                    kube.ApiError(429, "TooManyRequests", ""), None]
         calls = 0
 
         async def attempt():
@@ -49,7 +52,8 @@ def test_transient_errors_are_retried_and_final_ones_are_not():
         assert retrier.pending("pool")
         await retrier.run("pool", attempt)  # a second failure: still one retry task
         await eventually(lambda: not retrier.pending("pool"), 3, "retries done")
-        assert calls == 4 and slept == [1, 2]  # 503, refused (2nd run), 429, then success
+        assert calls == 4  # 503, refused (2nd run), 429, then success
+        assert slept == [1, 2]
 
         async def refused():
             raise kube.ApiError(422, "Invalid", "spec.replicas: must be >= 0")
@@ -62,26 +66,38 @@ def test_transient_errors_are_retried_and_final_ones_are_not():
     asyncio.run(scenario())
 
 
-def test_a_503_during_drift_repair_is_repaired_within_the_backoff_not_the_resync():
+def test_a_503_during_drift_repair_is_repaired_within_the_backoff_not_the_resync(
+        kube_plane, kube_ns):
     """The Deployment deleted by hand, and the API server answers 503 to the first two
-    creates. No controllers run, so the deletion is the only event: without a retry the
-    repair would wait for the resync (30 s here)."""
+    applies that would recreate it. The pool has no engines, so no pods come and go even
+    where kube-controller-manager runs: the deletion is the only event, and without a retry
+    the repair would wait for the resync (30 s here)."""
+    plane, ns = kube_plane, kube_ns
+    body = copy.deepcopy(CPU_POOL)
+    body["spec"]["replicas"] = 0
+
     async def scenario():
-        async with cluster() as (api, server), operator(server, resync_interval_s=30.0) as rt:
-            client = kube.KubeClient.from_connection(connection(server))
-            await client.create(kube.POOLS, NS, CPU_POOL)
-            dep = lambda: api.store.get(api.kind("deployments"), NS, "smollm2-serve")
-            pool = lambda: api.store.get(api.kind("inferencepools"), NS, NAME)
-            # the create handler done (else its own retry, kopf's, would do the repair)
-            await eventually(lambda: "sluice.dev/last-handled-configuration" in pool()[
-                "metadata"]["annotations"] and pool().get("status"), 3, "pool handled")
-            uid = dep()["metadata"]["uid"]
-            api.fail_next("POST", "deployments", 503, count=2,
-                          message="etcdserver: leader changed", reason="ServiceUnavailable")
-            await client.delete(kube.DEPLOYMENTS, NS, "smollm2-serve")
-            await eventually(lambda: dep()["metadata"]["uid"] != uid, 5,
-                             "recreated within the backoff (0.5 s, then 1 s)")
-            assert all(f.count == 0 for f in api.faults)  # both 503s were met
+        async with (client(plane.admin_kubeconfig) as api, FaultProxy(plane) as proxy,
+                    operator(plane, kubeconfig=proxy.kubeconfig(), namespaces=(ns,),
+                             resync_interval_s=30.0) as rt):
+            view = View(api, ns)
+            await api.create(kube.POOLS, ns, body)
+
+            async def handled() -> bool:
+                # the create handler done (else its own retry, kopf's, would do the repair)
+                pool = await view.pool()
+                return ("sluice.dev/last-handled-configuration"
+                        in pool["metadata"].get("annotations", {}) and bool(pool.get("status")))
+            await eventually(handled, 20, "pool handled")
+            uid = (await view.get(kube.DEPLOYMENTS, "smollm2-serve"))["metadata"]["uid"]
+            fault = proxy.fail_next("PATCH", "deployments", 503, count=2,
+                                    message="etcdserver: leader changed")
+            await api.delete(kube.DEPLOYMENTS, ns, "smollm2-serve")
+
+            async def recreated() -> bool:
+                return (await view.get(kube.DEPLOYMENTS, "smollm2-serve"))["metadata"][
+                    "uid"] != uid
+            await eventually(recreated, 10, "recreated within the backoff (0.5 s, then 1 s)")
+            assert fault.count == 0  # both 503s were met
             assert rt.retrier.retries == 2
-            await client.close()
-    asyncio.run(asyncio.wait_for(scenario(), 60))
+    asyncio.run(asyncio.wait_for(scenario(), 90))
