@@ -23,8 +23,10 @@ from typing import Any
 import aiohttp
 from kubernetes_asyncio import client as k8s
 
-FIELD_MANAGER = "sluice-operator"
-USER_AGENT = "sluice-operator/0.1.0"
+from sluice import labels
+
+FIELD_MANAGER = labels.OPERATOR_NAME
+USER_AGENT = f"{labels.OPERATOR_NAME}/0.1.0"
 MERGE_PATCH = "application/merge-patch+json"
 APPLY_PATCH = "application/apply-patch+yaml"  # JSON is YAML: the body is sent as JSON
 
