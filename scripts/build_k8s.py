@@ -8,6 +8,9 @@ folders of its repository) to the matching v0.MINOR.PATCH release. The version i
 stamped into the binaries as Kubernetes' own build does, so `kubectl version` and helm's
 `kubeVersion` checks see the real one.
 
+Cluster DNS comes the same way: the component `coredns` is CoreDNS's own module at
+COREDNS_VERSION, built beside them.
+
 Output: `CACHE/VERSION/bin/<component>`; a component already there is not rebuilt.
 Usage: `python scripts/build_k8s.py [--components kube-apiserver,...] [--print-bin-dir]`.
 The API server alone takes about 5 minutes on 2 cores, the rest 2 more.
@@ -25,8 +28,9 @@ import sys
 import tempfile
 
 VERSION = "v1.36.3"
+COREDNS_VERSION = "v1.14.7"
 TEST_TIER = ("kube-apiserver", "kube-controller-manager")
-NODE_TIER = ("kube-scheduler", "kubelet", "kube-proxy")
+NODE_TIER = ("kube-scheduler", "kubelet", "kube-proxy", "coredns")
 DEFAULT_CACHE = pathlib.Path(os.environ.get("SLUICE_K8S_CACHE")
                              or pathlib.Path.home() / ".cache" / "sluice" / "k8s")
 
@@ -66,6 +70,18 @@ def _ldflags(version: str) -> str:
     return " ".join(["-s", "-w", *flags])
 
 
+def _build_coredns(out: pathlib.Path) -> None:
+    with tempfile.TemporaryDirectory(prefix="coredns-build-") as tmp:
+        work = pathlib.Path(tmp)
+        (work / "go.mod").write_text(f"module sluice.dev/coredns-build\n\ngo 1.26\n\n"
+                                     f"require github.com/coredns/coredns {COREDNS_VERSION}\n",
+                                     encoding="utf-8")
+        env = {**os.environ, "CGO_ENABLED": "0", "GOFLAGS": "-mod=mod"}
+        print(f"building coredns {COREDNS_VERSION} into {out}", file=sys.stderr)
+        _go("build", "-trimpath", "-ldflags", "-s -w", "-o", str(out / "coredns"),
+            "github.com/coredns/coredns", cwd=work, env=env)
+
+
 def build(components: tuple[str, ...], cache: pathlib.Path = DEFAULT_CACHE,
           version: str = VERSION) -> pathlib.Path:
     out = bin_dir(cache, version)
@@ -73,6 +89,11 @@ def build(components: tuple[str, ...], cache: pathlib.Path = DEFAULT_CACHE,
     if not missing:
         return out
     out.mkdir(parents=True, exist_ok=True)
+    if "coredns" in missing:
+        _build_coredns(out)
+        missing.remove("coredns")
+        if not missing:
+            return out
     with tempfile.TemporaryDirectory(prefix="k8s-build-") as tmp:
         work = pathlib.Path(tmp)
         (work / "go.mod").write_text("module sluice.dev/probe\n\ngo 1.26\n", encoding="utf-8")
