@@ -127,7 +127,7 @@ def test_roles_from_labels_and_static_specs():
 
     def pod(pod_labels):
         return {"metadata": {"name": "e", "namespace": "ns", "labels": pod_labels},
-                "status": {"pod_ip": "10.1.0.2",
+                "status": {"podIP": "10.1.0.2",
                            "conditions": [{"type": "Ready", "status": "True"}]},
                 "spec": {"containers": []}}
 
