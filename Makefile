@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 LINT_TOOLS := "ruff==0.17.6" "check-jsonschema==0.39.0"
 WORKFLOWS := $(wildcard .github/workflows/*.yml)
 
-.PHONY: run test test-fast lint install clean images
+.PHONY: run test test-fast lint install clean images e2e
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,12 @@ test-fast: $(STAMP)
 # runs), then their smoke tests: scripts/images.sh says how, and where the bases come from.
 images: $(STAMP)
 	scripts/images.sh build smoke
+
+# A one-node Kubernetes on this machine from the images (as root; e2e/README.md): the
+# cluster up in a network namespace of its own, a user's path through the chart checked,
+# then everything stopped and removed.
+e2e: images
+	$(BIN)/python -m e2e.cluster run
 
 clean:
 	rm -rf $(VENV)

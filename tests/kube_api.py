@@ -42,7 +42,7 @@ rules:
 """
 
 
-def _build_k8s() -> Any:
+def build_k8s() -> Any:
     spec = importlib.util.spec_from_file_location("build_k8s", ROOT / "scripts" / "build_k8s.py")
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
@@ -51,7 +51,7 @@ def _build_k8s() -> Any:
 
 
 def k8s_bin(component: str) -> pathlib.Path:
-    path = _build_k8s().bin_dir() / component
+    path = build_k8s().bin_dir() / component
     if not path.exists():
         raise RuntimeError(f"{path} is missing: build it with `python scripts/build_k8s.py` "
                            "(make install does)")
@@ -152,6 +152,8 @@ class ControlPlane:
             "--authorization-mode=Node,RBAC", "--enable-admission-plugins=NodeRestriction",
             f"--kubelet-client-certificate={pki / 'kubelet-client.crt'}",
             f"--kubelet-client-key={pki / 'kubelet-client.key'}",
+            # logs, exec and port-forward dial the node's IP: its name resolves nowhere
+            "--kubelet-preferred-address-types=InternalIP",
         ] if self.with_nodes else [
             "--authorization-mode=RBAC",
             # no kube-proxy or endpoints to keep for the API server's own Service

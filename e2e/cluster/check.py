@@ -1,8 +1,9 @@
 """What a user does with the one-node cluster, checked step by step: the chart installed
 from the local images, `pool-cpu.yaml` applied and Ready, chat completions through the
 chart's Envoy Service, a repeated prefix kept on one pod, a killed engine replaced while
-requests keep being answered, the pool deleted with its children, and `helm uninstall`
-leaving nothing behind."""
+requests keep being answered, the autoscaler following KV-cache usage up and down, the
+pool deleted with its children, `helm uninstall` leaving nothing behind; then the same
+chart in GIE mode, with GIE's own CRD, its InferencePool accepted and routed through."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import json
 import pathlib
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -107,9 +109,9 @@ def step(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 
 
 @step("helm install charts/sluice with the local images")
-def install(c: Cluster) -> None:
-    values = [f"--set={k}={v}" for k, v in VALUES.items()]
-    c.helm("install", "sluice", str(ROOT / "charts" / "sluice"), "-n", NS,
+def install(c: Cluster, extra: dict[str, str] | None = None) -> None:
+    values = [f"--set={k}={v}" for k, v in {**VALUES, **(extra or {})}.items()]
+    c.helm("upgrade", "--install", "sluice", str(ROOT / "charts" / "sluice"), "-n", NS,
            "--create-namespace", "--wait", "--timeout=10m", *values)
 
 
@@ -136,8 +138,20 @@ def chat(url: str, key: str, content: str, max_tokens: int = 16) -> httpx.Respon
 
 @step("a chat completion through the chart's Envoy Service")
 def completion(c: Cluster, url: str, key: str) -> None:
-    body = chat(url, key, "What is the capital of France?").json()
-    assert body["choices"][0]["message"]["content"], body
+    # A Ready pool is the operator's view; the picker learns the pod from its own watch
+    # a moment later, and until then Envoy has no engine to send to (503).
+    body = eventually(lambda: chat(url, key, "What is the capital of France?").json(), 60,
+                      "the gateway's first answer")
+    print(f"    {body['choices'][0]['message']['content']!r}", flush=True)
+    assert "Paris" in body["choices"][0]["message"]["content"], body
+
+
+def _engines(c: Cluster) -> dict[str, bool]:
+    """The pool's engine pods by name: ready or not."""
+    return {p["metadata"]["name"]: any(
+        cond["type"] == "Ready" and cond["status"] == "True"
+        for cond in p["status"].get("conditions", ()))
+        for p in c.json("pods", "-n", NS, "-l", f"sluice.dev/pool={POOL}")["items"]}
 
 
 @step("two engines, and a repeated prefix stays on one pod")
@@ -146,50 +160,103 @@ def sticky_prefix(c: Cluster, url: str, key: str) -> None:
     c.kubectl("patch", "-n", NS, f"inferencepools.sluice.dev/{POOL}", "--type=merge", "-p",
               json.dumps({"spec": {"replicas": 2, "resources": {
                   "requests": {"cpu": "250m", "memory": "1Gi"}}}}))
-    eventually(lambda: c.json("inferencepools.sluice.dev", "-n", NS, POOL)["status"].get(
-        "readyReplicas") == 2, 900, "two ready engines")
+    c.kubectl("rollout", "status", "-n", NS, f"deployment/{POOL}-serve", "--timeout=15m")
+    eventually(lambda: list(_engines(c).values()) == [True, True], 300,
+               "exactly two ready engines")
     prefix = "You are a careful assistant. " * 40
-    pods = {chat(url, key, f"{prefix} Question {i}: name a color.").headers["x-sluice-pod"]
-            for i in range(6)}
+    pods = {eventually(lambda i=i: chat(url, key, f"{prefix} Question {i}: name a color."),
+                       60, "an answer").headers["x-sluice-pod"] for i in range(6)}
     assert len(pods) == 1, pods
 
 
 @step("a killed engine pod is replaced while requests keep being answered")
 def kill_engine(c: Cluster, url: str, key: str) -> None:
-    pods = c.json("pods", "-n", NS, "-l", f"sluice.dev/pool={POOL}")["items"]
-    victim = pods[0]["metadata"]["name"]
+    before = _engines(c)
+    victim = min(before)
     c.kubectl("delete", "pod", "-n", NS, victim, "--wait=false")
     answered = 0
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         chat(url, key, "Say hello.", max_tokens=4)  # raises on any failed request
         answered += 1
-        names = {p["metadata"]["name"]: p for p in
-                 c.json("pods", "-n", NS, "-l", f"sluice.dev/pool={POOL}")["items"]}
-        ready = [n for n, p in names.items() if n != victim and any(
-            cond["type"] == "Ready" and cond["status"] == "True"
-            for cond in p["status"].get("conditions", ()))]
-        if len(ready) == 2:
-            print(f"    {answered} requests answered meanwhile", flush=True)
+        if any(ready for name, ready in _engines(c).items() if name not in before):
+            print(f"    {answered} requests answered until the new engine was ready",
+                  flush=True)
+            assert answered >= 2, "the replacement was ready before any request was tried"
             return
     raise AssertionError("the killed engine was not replaced")
 
 
+def _replicas(c: Cluster) -> int:
+    return int(c.json("inferencepools.sluice.dev", "-n", NS, POOL)["spec"]["replicas"])
+
+
+@step("the autoscaler follows KV-cache usage: down idle, up under load, down again")
+def autoscale(c: Cluster, url: str, key: str) -> None:
+    # a target low enough for a few long requests to pass it on a 512 MiB cache
+    c.kubectl("patch", "-n", NS, f"inferencepools.sluice.dev/{POOL}", "--type=merge", "-p",
+              json.dumps({"spec": {"autoscaling": {
+                  "enabled": True, "minReplicas": 1, "maxReplicas": 2,
+                  "targetKVCacheUsage": 0.02, "scaleUpStabilizationSeconds": 0,
+                  "scaleDownStabilizationSeconds": 0}}}))
+    eventually(lambda: _replicas(c) == 1, 300, "scaled down to 1 while idle")
+    stop = threading.Event()
+
+    def load() -> None:
+        prompt = "Tell me a long story about a lighthouse keeper. " * 30
+        while not stop.is_set():
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.post(f"{url}/v1/completions", timeout=300,
+                           headers={"Authorization": f"Bearer {key}"},
+                           json={"model": MODEL, "prompt": prompt, "max_tokens": 256,
+                                 "ignore_eos": True, "temperature": 0})
+    workers = [threading.Thread(target=load, daemon=True) for _ in range(8)]
+    for w in workers:
+        w.start()
+    try:
+        eventually(lambda: _replicas(c) == 2, 300, "scaled up to 2 under load")
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(330)
+    eventually(lambda: _replicas(c) == 1, 300, "scaled down to 1 once idle")
+
+
 @step("deleting the pool removes its children")
 def delete_pool(c: Cluster) -> None:
+    def children() -> list[dict]:
+        return c.json("deployments,services,poddisruptionbudgets", "-n", NS,
+                      "-l", f"sluice.dev/pool={POOL}")["items"]
+    assert children(), "the pool has children to remove"
     c.kubectl("delete", "-n", NS, f"inferencepools.sluice.dev/{POOL}", "--timeout=5m")
-    eventually(lambda: not c.json("deployments,services,poddisruptionbudgets", "-n", NS,
-                                  "-l", f"sluice.dev/pool={POOL}")["items"], 300,
-               "children garbage-collected")
+    eventually(lambda: not children(), 300, "children garbage-collected")
 
 
 @step("helm uninstall leaves nothing behind")
 def uninstall(c: Cluster) -> None:
     c.helm("uninstall", "sluice", "-n", NS, "--wait", "--timeout=5m")
     eventually(lambda: not c.json("all", "-n", NS)["items"], 300, "the namespace emptied")
+    assert not c.json("inferencepools.sluice.dev", "-A")["items"]  # no finalizer left
     left = c.kubectl("get", "clusterroles,clusterrolebindings", "-o", "name",
                      "-l", "app.kubernetes.io/instance=sluice")
     assert not left.strip(), left
+
+
+@step("GIE mode: GIE's CRD, the chart with gie.enabled, the GIE InferencePool accepted")
+def gie_mode(c: Cluster) -> None:
+    c.kubectl("apply", "--server-side", "-f",
+              str(ROOT / "tests/crds/gie/inference.networking.k8s.io_inferencepools.yaml"))
+    install(c, {"gie.enabled": "true"})
+    apply_pool(c)
+    gie = c.json("inferencepools.inference.networking.k8s.io", "-n", NS, POOL)
+    picker = gie["spec"]["endpointPickerRef"]
+    assert (picker["name"], picker["port"]["number"]) == ("sluice-picker", 9002), picker
+    with c.port_forward("svc/sluice-gateway", 80) as url:
+        completion(c, url, api_key(c))
+    delete_pool(c)
+    eventually(lambda: not c.json("inferencepools.inference.networking.k8s.io", "-n",
+                                  NS)["items"], 120, "the GIE pool removed with ours")
+    uninstall(c)
 
 
 def run(kubeconfig: pathlib.Path) -> None:
@@ -201,5 +268,7 @@ def run(kubeconfig: pathlib.Path) -> None:
         completion(c, url, key)
         sticky_prefix(c, url, key)
         kill_engine(c, url, key)
+        autoscale(c, url, key)
     delete_pool(c)
     uninstall(c)
+    gie_mode(c)
