@@ -11,6 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
+import secrets
+import socket
 from typing import Any
 
 import httpx
@@ -53,6 +56,14 @@ async def _sample(http: httpx.AsyncClient, timeout: float, endpoints: list[dict[
     return await metrics.sample_pool(http, endpoints, role, timeout)
 
 
+def identity() -> str:
+    """This operator's name among its peers: the pod's name (the hostname), the process
+    and a random part, one per `run`. Not kopf's default, which starts with the user's
+    login name: a pod run under an arbitrary UID (OpenShift's restricted SCC) has none,
+    and kopf would fail at start."""
+    return f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(3)}"
+
+
 async def run(config: OperatorConfig, configuration: k8s.Configuration, *,
               runtime: handlers.Runtime | None = None,
               stop_flag: asyncio.Event | None = None,
@@ -71,6 +82,7 @@ async def run(config: OperatorConfig, configuration: k8s.Configuration, *,
             priority=config.priority,
             clusterwide=config.clusterwide,
             namespaces=list(config.namespaces), liveness_endpoint=config.liveness_endpoint,
+            identity=identity(),
             stop_flag=stop_flag, ready_flag=ready_flag)
     finally:
         ticker.cancel()
