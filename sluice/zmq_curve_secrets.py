@@ -28,6 +28,7 @@ the server pair and the client's public key, decode engines (clients) the revers
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import sys
 from dataclasses import dataclass
@@ -72,34 +73,34 @@ def render_secrets(keys: dict[str, bytes], engines: list[SecretRef], picker: Sec
             _secret(picker, data(PICKER_FILES), labels)]
 
 
-def _read(core: Any, ref: SecretRef) -> dict[str, str] | None:
+async def _read(core: Any, ref: SecretRef) -> dict[str, str] | None:
     """The Secret's data, None when there is none."""
-    from kubernetes.client.exceptions import ApiException
+    from kubernetes_asyncio.client.exceptions import ApiException
 
     try:
-        return core.read_namespaced_secret(ref.name, ref.namespace).data or {}
+        return (await core.read_namespaced_secret(ref.name, ref.namespace)).data or {}
     except ApiException as err:
         if err.status == 404:
             return None
         raise
 
 
-def ensure(core: Any, engines: list[SecretRef], picker: SecretRef,
-           labels: dict[str, str]) -> str:
-    """Make the Secrets that are missing (`core` is a CoreV1Api): all from a new pair when
-    none exists, else the engines' copies from the one that does. What was done, in words;
-    BrokenPair when the pair is no longer whole."""
-    found = {ref: _read(core, ref) for ref in engines}
+async def ensure(core: Any, engines: list[SecretRef], picker: SecretRef,
+                 labels: dict[str, str]) -> str:
+    """Make the Secrets that are missing (`core`: kubernetes_asyncio's CoreV1Api): all from
+    a new pair when none exists, else the engines' copies from the one that does. What was
+    done, in words; BrokenPair when the pair is no longer whole."""
+    found = {ref: await _read(core, ref) for ref in engines}
     have = {ref: data for ref, data in found.items() if data is not None}
     missing = [ref for ref in engines if found[ref] is None]
     spare = SecretRef(picker.namespace, engines[0].name)
     # pools moved out of the release namespace: the copy left there is the source
-    if not have and spare not in found and (data := _read(core, spare)) is not None:
+    if not have and spare not in found and (data := await _read(core, spare)) is not None:
         have = {spare: data}
-    picker_found = _read(core, picker) is not None
+    picker_found = await _read(core, picker) is not None
     if not have and not picker_found:
         for body in render_secrets(new_keys(), engines, picker, labels):
-            core.create_namespaced_secret(body["metadata"]["namespace"], body)
+            await core.create_namespaced_secret(body["metadata"]["namespace"], body)
         return "created"
     why = ("the picker's Secret is missing" if not picker_found
            else "every engines' Secret is missing" if not have
@@ -111,22 +112,22 @@ def ensure(core: Any, engines: list[SecretRef], picker: SecretRef,
                          "make a new pair, then restart the engines and the picker")
     data = next(iter(have.values()))
     for ref in missing:
-        core.create_namespaced_secret(ref.namespace, _secret(ref, dict(data), labels))
+        await core.create_namespaced_secret(ref.namespace, _secret(ref, dict(data), labels))
     return f"kept, copied to {', '.join(map(str, missing))}" if missing else "kept"
 
 
 ALL_FILES = ENGINE_FILES + PICKER_FILES
 
 
-def ensure_transfer(core: Any, refs: list[SecretRef], labels: dict[str, str]) -> str:
+async def ensure_transfer(core: Any, refs: list[SecretRef], labels: dict[str, str]) -> str:
     """Make each missing KV-transfer Secret from a new key pair (all four files), keep each
     one found; what was done, in words. BrokenPair names one found without every file."""
     made, kept = [], []
     for ref in refs:
-        data = _read(core, ref)
+        data = await _read(core, ref)
         if data is None:
             keys = new_keys()
-            core.create_namespaced_secret(ref.namespace, _secret(ref, {
+            await core.create_namespaced_secret(ref.namespace, _secret(ref, {
                 f: base64.b64encode(keys[f]).decode() for f in ALL_FILES}, labels))
             made.append(str(ref))
         elif missing := sorted(set(ALL_FILES) - set(data)):
@@ -164,23 +165,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    from kubernetes import client, config
+async def _main(args: argparse.Namespace) -> None:
+    from kubernetes_asyncio import client
 
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    core = client.CoreV1Api()
-    try:
+    from sluice import kube_config
+
+    async with client.ApiClient(await kube_config.load()) as api:
+        core = client.CoreV1Api(api)
         if args.engines:
-            what = ensure(core, args.engines, args.picker, dict(args.label))
+            what = await ensure(core, args.engines, args.picker, dict(args.label))
             names = ", ".join(str(r) for r in [*args.engines, args.picker])
             print(f"sluice: KV-event CURVE keys {what} ({names})")
         if args.kv_transfer:
-            what = ensure_transfer(core, args.kv_transfer, dict(args.label))
+            what = await ensure_transfer(core, args.kv_transfer, dict(args.label))
             print(f"sluice: KV-transfer CURVE keys: {what}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        asyncio.run(_main(args))
     except BrokenPair as err:
         print(f"sluice: {err}", file=sys.stderr)
         return 1

@@ -7,8 +7,8 @@ its pod mounts. A replay request without the picker's key gets nothing."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
-import contextlib
 import functools
 import pathlib
 import secrets as tokens
@@ -20,8 +20,10 @@ import yaml
 import zmq
 from kube_api import ControlPlane, control_plane
 from kube_chart import apply, denied, is_hook, requests_by, username
+from kubernetes_asyncio import client as k8s
 from test_chart import CHART, render
 
+from sluice import kube_config
 from sluice import zmq_curve_secrets as hook
 from sluice.engine.kv_publisher import KVEventPublisher
 from sluice.gateway.events.sockets import connect
@@ -73,8 +75,6 @@ def run_hook(job_args: list[str], secrets: dict | None = None, ensure=_ensure_ev
         with (tempfile.TemporaryDirectory() as root,
               control_plane(pathlib.Path(root)) as own):
             return run_hook(job_args, secrets, ensure, own)
-    from kubernetes import client, config
-
     args = hook.parse_args(job_args)
     secrets = secrets or {}
     named = {RELEASE_NS, *(ns for ns, _ in secrets),
@@ -111,11 +111,14 @@ def run_hook(job_args: list[str], secrets: dict | None = None, ensure=_ensure_ev
                 "data": body["data"]})
         kubeconfig = plane.kubeconfig(plane.token_for(real[RELEASE_NS], sa),
                                       f"hook-{real[RELEASE_NS]}")
-        with contextlib.closing(config.new_client_from_config(str(kubeconfig))) as api_client:
-            try:
-                what = ensure(client.CoreV1Api(api_client), args)
-            except hook.BrokenPair as err:
-                what = f"broken: {err}"
+
+        async def call() -> str:
+            async with k8s.ApiClient(await kube_config.load(kubeconfig)) as api_client:
+                try:
+                    return await ensure(k8s.CoreV1Api(api_client), args)
+                except hook.BrokenPair as err:
+                    return f"broken: {err}"
+        what = asyncio.run(call())
         for ns, name in back.items():  # its words name the namespaces it was given
             what = what.replace(f"{ns}/", f"{name}/")
         refused = denied(requests_by(plane, username(real[RELEASE_NS], sa)))
