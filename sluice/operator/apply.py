@@ -5,7 +5,7 @@ Contract of `apply_child`: after it returns, the live object's spec, labels and
 ownerReferences hold the desired values (up to server-side defaults). Writes are
 server-side applies under the operator's field manager, forced: the operator is the
 authority on the fields it renders, and a field it stops rendering is removed, while
-fields other managers own (an HPA's replicas aside, a label someone added) are kept. A
+fields only other managers set (a label someone added) are kept. A
 child edited by hand (drift) differs from the desired object and is applied again; a
 child deleted by hand is recreated. The ownership check reads first: an object of the
 same name that this pool does not control is reported, never taken over.
