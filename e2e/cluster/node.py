@@ -47,6 +47,9 @@ state = "{base / 'containerd' / 'state'}"
   address = "{containerd_socket(base)}"
 [{cri}]
   sandbox_image = "{PAUSE_IMAGE}"
+  # the pods' network namespaces under the state folder, which `clean` removes, rather
+  # than /var/run/netns, where a killed sandbox would leave them
+  netns_mounts_under_state_dir = true
 [{cri}.containerd]
   snapshotter = "overlayfs"
   default_runtime_name = "runc"
