@@ -146,6 +146,11 @@ def completion(c: Cluster, url: str, key: str) -> None:
     assert "Paris" in body["choices"][0]["message"]["content"], body
 
 
+def _settled(c: Cluster) -> bool:
+    pool = c.json("inferencepools.sluice.dev", "-n", NS, POOL)
+    return pool["status"].get("observedGeneration") == pool["metadata"]["generation"]
+
+
 def _engines(c: Cluster) -> dict[str, bool]:
     """The pool's engine pods by name: ready or not."""
     return {p["metadata"]["name"]: any(
@@ -156,11 +161,15 @@ def _engines(c: Cluster) -> dict[str, bool]:
 
 @step("two engines, and a repeated prefix stays on one pod")
 def sticky_prefix(c: Cluster, url: str, key: str) -> None:
-    # requests sized so that two engines fit the node beside the chart's pods
-    c.kubectl("patch", "-n", NS, f"inferencepools.sluice.dev/{POOL}", "--type=merge", "-p",
-              json.dumps({"spec": {"replicas": 2, "resources": {
-                  "requests": {"cpu": "250m", "memory": "1Gi"}}}}))
-    c.kubectl("rollout", "status", "-n", NS, f"deployment/{POOL}-serve", "--timeout=15m")
+    # Requests sized so that two engines fit the node beside the chart's pods; rolled out
+    # before the second engine: the old engine's 1 CPU would leave it unschedulable, and
+    # the rollout (maxUnavailable 0) would wait for it forever.
+    for spec in ({"resources": {"requests": {"cpu": "250m", "memory": "1Gi"}}},
+                 {"replicas": 2}):
+        c.kubectl("patch", "-n", NS, f"inferencepools.sluice.dev/{POOL}", "--type=merge",
+                  "-p", json.dumps({"spec": spec}))
+        eventually(lambda: _settled(c), 60, "the operator applied the change")
+        c.kubectl("rollout", "status", "-n", NS, f"deployment/{POOL}-serve", "--timeout=15m")
     eventually(lambda: list(_engines(c).values()) == [True, True], 300,
                "exactly two ready engines")
     prefix = "You are a careful assistant. " * 40
