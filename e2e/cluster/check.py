@@ -173,9 +173,17 @@ def sticky_prefix(c: Cluster, url: str, key: str) -> None:
     eventually(lambda: list(_engines(c).values()) == [True, True], 300,
                "exactly two ready engines")
     prefix = "You are a careful assistant. " * 40
-    pods = {eventually(lambda i=i: chat(url, key, f"{prefix} Question {i}: name a color."),
-                       60, "an answer").headers["x-sluice-pod"] for i in range(6)}
+
+    def ask(i: int) -> httpx.Response:
+        return chat(url, key, f"{prefix} Question {i}: name a color.")
+    # Once the picker's index holds the prefix (a just-started engine's first KV events
+    # can reach it a request late), every request with it goes to the pod holding it.
+    first = eventually(lambda: (r := ask(0)).headers["x-sluice-prefix-hit-blocks"] != "0"
+                       and r, 120, "the index knows the prefix")
+    after = [ask(i) for i in range(1, 6)]
+    pods = {r.headers["x-sluice-pod"] for r in [first, *after]}
     assert len(pods) == 1, pods
+    assert all(int(r.headers["x-sluice-prefix-hit-blocks"]) > 1 for r in after)
 
 
 @step("a killed engine pod is replaced while requests keep being answered")
