@@ -55,6 +55,16 @@ def quick_settings() -> kopf.OperatorSettings:
     return settings
 
 
+def peering_settings() -> kopf.OperatorSettings:
+    """`quick_settings` for replicas that peer. A silent peer counts as alive for the
+    lifetime; kopf refreshes its entry about every lifetime - 5..10 s (at least 1 s), so
+    a short lifetime would let one slow second on a loaded machine make the standby think
+    the active one died."""
+    settings = quick_settings()
+    settings.peering.lifetime = 10
+    return settings
+
+
 @contextlib.asynccontextmanager
 async def operator(plane: ControlPlane, *, kubeconfig: pathlib.Path | None = None,
                    sampler: Callable[..., Awaitable[Any]] = _no_load, purge: Any = None,

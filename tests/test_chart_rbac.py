@@ -13,10 +13,9 @@ import pathlib
 import urllib.error
 from urllib.parse import quote
 
-import kopf
 import pytest
 import yaml
-from k8s_harness import client, eventually, operator
+from k8s_harness import client, eventually, operator, peering_settings
 from k8s_kubelet import kubelet
 from kube_chart import (
     CHART_CRDS,
@@ -54,16 +53,6 @@ def plane(kube_controllers):
     return kube_controllers
 
 
-def _settings() -> kopf.OperatorSettings:
-    settings = kopf.OperatorSettings()
-    # seconds a silent peer still counts as alive: long enough that one slow second on a
-    # loaded machine does not end this replica's turn
-    settings.peering.lifetime = 10
-    settings.queueing.idle_timeout = 0.5
-    settings.queueing.exit_timeout = 0.5
-    settings.background.instant_exit_timeout = 0.05
-    return settings
-
 
 async def _busy(endpoints, role):
     return LoadSample(0.99, 0.0, 1) if endpoints else None
@@ -82,7 +71,7 @@ def _lifecycle(plane, release_ns: str, pools_ns: str, watch: str) -> tuple[list[
     async def scenario(kubeconfig: pathlib.Path) -> None:
         async with (client(plane.admin_kubeconfig) as api, kubelet(api, pools_ns),
                     operator(plane, kubeconfig=kubeconfig, standalone=False, priority=1,
-                             settings=_settings(), sampler=_busy, autoscale_interval_s=0.2,
+                             settings=peering_settings(), sampler=_busy, autoscale_interval_s=0.2,
                              **operator_config(manifests))):
             await api.create(kube.POOLS, pools_ns, body)
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 import asyncio
 import pathlib
 
-import kopf
 import yaml
-from k8s_harness import client, eventually, operator
+from k8s_harness import client, eventually, operator, peering_settings
 
 from sluice.operator import kube
 
@@ -18,17 +17,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 POOL = yaml.safe_load((ROOT / "charts/sluice/examples/pool-cpu.yaml").read_text())
 PEERING_CRDS = ROOT / "charts/sluice/crds/kopf-peerings.yaml"
 
-
-def _settings() -> kopf.OperatorSettings:
-    settings = kopf.OperatorSettings()
-    # seconds a silent peer still counts as alive; kopf refreshes its entry about
-    # every lifetime - 5..10 s (at least 1 s), so a short lifetime would let one
-    # slow second on a loaded machine make the standby think the active one died
-    settings.peering.lifetime = 10
-    settings.queueing.idle_timeout = 0.5
-    settings.queueing.exit_timeout = 0.5
-    settings.background.instant_exit_timeout = 0.05
-    return settings
 
 
 def install_peering_crds(plane) -> None:
@@ -64,7 +52,7 @@ def test_only_the_highest_priority_replica_acts_and_the_other_takes_over(kube_pl
 
             def replica(priority: int):
                 return operator(plane, standalone=False, namespaces=(ns,), priority=priority,
-                                settings=_settings(), autoscale_interval_s=0.2)
+                                settings=peering_settings(), autoscale_interval_s=0.2)
 
             async with replica(10) as low:
                 async with replica(20) as high:
