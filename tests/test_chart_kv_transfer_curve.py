@@ -24,11 +24,12 @@ from sluice.zmq_curve import ENGINE_FILES, PICKER_FILES, ZmqSecurity, init
 SECRET = "rel-sluice-kv-transfer-keys"
 
 
-def run_transfer_hook(job_args: list[str], secrets: dict | None = None) -> tuple[str, dict]:
-    """The hook Job's KV-transfer part (`run_hook` with `hook.ensure_transfer`); what it
-    answered, and the transfer Secrets after."""
+def run_transfer_hook(plane, job_args: list[str], secrets: dict | None = None
+                      ) -> tuple[str, dict]:
+    """The hook Job's KV-transfer part (`run_hook` with `hook.ensure_transfer`) on the
+    API server `plane`; what it answered, and the transfer Secrets after."""
     what, after = run_hook(job_args, secrets, lambda api, args: hook.ensure_transfer(
-        api, args.kv_transfer, dict(args.label)))
+        api, args.kv_transfer, dict(args.label)), plane=plane)
     return what, {k: v for k, v in after.items() if k[1] == SECRET}
 
 
@@ -42,23 +43,23 @@ def test_role_halves_are_the_curve_sides():
     assert KV_TRANSFER_CURVE_FILES == {"prefill": ENGINE_FILES, "decode": PICKER_FILES}
 
 
-def test_the_hook_makes_a_pair_per_pools_namespace_and_keeps_it():
+def test_the_hook_makes_a_pair_per_pools_namespace_and_keeps_it(kube_plane):
     job = _one(render("watchNamespaces={team-a,team-b}"), "Job", "-kv-events-keys")
     args = _container_args(job)
     assert [a for a in args if a.startswith("--kv-transfer")] == [
         f"--kv-transfer=team-a/{SECRET}", f"--kv-transfer=team-b/{SECRET}"]
-    what, made = run_transfer_hook(args)
+    what, made = run_transfer_hook(kube_plane, args)
     assert what == f"created team-a/{SECRET}, team-b/{SECRET}"
     a, b = made["team-a", SECRET], made["team-b", SECRET]
     assert sorted(a["data"]) == sorted(ENGINE_FILES + PICKER_FILES)
     assert a["data"]["server.key_secret"] != b["data"]["server.key_secret"]  # a pair each
     assert a["metadata"]["labels"]["app.kubernetes.io/instance"] == "rel"
-    what, after = run_transfer_hook(args, made)  # an upgrade: nothing changes
+    what, after = run_transfer_hook(kube_plane, args, made)  # an upgrade: nothing changes
     assert what == f"kept team-a/{SECRET}, team-b/{SECRET}"
     assert {k: s["data"] for k, s in after.items()} == {k: s["data"] for k, s in made.items()}
     broken = {**made, ("team-a", SECRET): {
         "metadata": {"name": SECRET, "namespace": "team-a"}, "data": {"server.key": "eA=="}}}
-    what, _ = run_transfer_hook(args, broken)
+    what, _ = run_transfer_hook(kube_plane, args, broken)
     assert what.startswith("broken:") and "lack client.key" in what and "Delete team-a/" in what
 
 
@@ -82,8 +83,8 @@ def _mounted_half(deployment: dict, secret: dict, dest: pathlib.Path) -> pathlib
 
 
 
-def test_only_the_decode_engines_half_is_served(chart, tmp_path):
-    _, made = run_transfer_hook(_container_args(_one(chart, "Job", "-kv-events-keys")))
+def test_only_the_decode_engines_half_is_served(kube_plane, chart, tmp_path):
+    _, made = run_transfer_hook(kube_plane, _container_args(_one(chart, "Job", "-kv-events-keys")))
     secret = made["sluice", SECRET]
     pods = {d["metadata"]["name"]: d for d in engine_pods(chart, "pool-disaggregated.yaml")}
     prefill = _mounted_half(pods["qwen3-pd-prefill"], secret, tmp_path / "prefill")
