@@ -361,8 +361,12 @@ def control_plane(root: pathlib.Path) -> Iterator[ControlPlane]:
 
 
 if __name__ == "__main__":
-    # A control plane to poke at by hand: prints the admin kubeconfig, stops on Ctrl-C.
+    # A control plane to poke at by hand: prints the admin kubeconfig, stops on Ctrl-C or
+    # SIGTERM (its processes live in sessions of their own: nothing else would stop them).
+    import signal
     import tempfile
+
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
 
     sys.path.insert(0, str(ROOT / "tests"))
     with control_plane(pathlib.Path(tempfile.mkdtemp(prefix="sluice-k8s-"))) as plane:
