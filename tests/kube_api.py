@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import ipaddress
 import json
-import os
 import pathlib
 import secrets
 import shutil
@@ -29,8 +27,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Self
 
+from kube_pki import SERVICE_CIDR, make_pki
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SERVICE_CIDR = "10.0.0.0/24"
 ADMIN = "sluice-test-admin"
 
 _AUDIT_POLICY = """\
@@ -68,40 +67,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _openssl(*args: str, cwd: pathlib.Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def _signed(folder: pathlib.Path, name: str, subject: str, ext: str | None = None) -> None:
-    """`name`.key and `name`.crt, signed by the folder's CA."""
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key",
-             "-out", f"{name}.csr", "-subj", subject, cwd=folder)
-    extra = []
-    if ext:
-        (folder / f"{name}.ext").write_text(ext + "\n")
-        extra = ["-extfile", f"{name}.ext"]
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-             "-CAcreateserial", "-out", f"{name}.crt", "-days", "3", *extra, cwd=folder)
-
-
-def make_pki(folder: pathlib.Path, address: str = "127.0.0.1",
-             service_cidr: str = SERVICE_CIDR) -> None:
-    """A CA; the API server's serving certificate (its address, loopback, the first
-    Service IP and the in-cluster names); its client certificate for kubelets (logs,
-    exec, port-forward); the ServiceAccount signing key pair."""
-    folder.mkdir(parents=True, exist_ok=True)
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key",
-             "-out", "ca.crt", "-days", "3", "-subj", "/CN=sluice-test-ca", cwd=folder)
-    first_service_ip = next(ipaddress.ip_network(service_cidr).hosts())
-    sans = (f"subjectAltName=IP:{address},IP:127.0.0.1,IP:{first_service_ip},"
-            "DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,"
-            "DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local")
-    _signed(folder, "apiserver", "/CN=kube-apiserver", sans)
-    _signed(folder, "kubelet-client", "/O=system:masters/CN=kube-apiserver-kubelet-client")
-    _openssl("genrsa", "-out", "sa.key", "2048", cwd=folder)
-    _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=folder)
 
 
 @dataclass
@@ -356,8 +321,7 @@ def control_plane(root: pathlib.Path) -> Iterator[ControlPlane]:
         yield plane
     finally:
         plane.stop()
-        if os.environ.get("SLUICE_KEEP_CONTROL_PLANE") is None:
-            shutil.rmtree(root / "etcd", ignore_errors=True)
+        shutil.rmtree(root / "etcd", ignore_errors=True)  # the logs and the audit stay
 
 
 if __name__ == "__main__":
