@@ -78,6 +78,9 @@ def test_sluice_engine_flags_follow_the_contract():
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
     pod = dep["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
+    # still serving a while once deleted, and inside the grace period
+    wait = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert 5 <= wait < pod["terminationGracePeriodSeconds"]
     assert {"name": "model-cache", "emptyDir": {"sizeLimit": "20Gi"}} in pod["volumes"]
     assert c["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"},
                               "limits": {"memory": "4Gi"}}

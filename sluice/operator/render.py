@@ -207,6 +207,10 @@ def _ports(pool: PoolSpec) -> tuple[tuple[str, int], ...]:
     return labels.PORTS
 
 
+PRESTOP_S = 10
+TERMINATION_GRACE_S = 60  # the pre-stop wait, then in-flight generations drain
+
+
 def render_pod_template(pool: PoolSpec, role: RoleSpec, config: RenderConfig) -> Manifest:
     default = config.vllm_image if pool.engine.kind == "vllm" else config.engine_image
     image = pool.engine.image or default
@@ -224,13 +228,17 @@ def render_pod_template(pool: PoolSpec, role: RoleSpec, config: RenderConfig) ->
         "startupProbe": _probe("/health", 10, max(1, config.startup_timeout_s // 10)),
         "readinessProbe": _probe("/health", 5, 3),
         "livenessProbe": _probe("/health", 10, 6),
+        # A deleted engine keeps serving this long before it is told to stop: the picker
+        # drops it at once, but a gateway that learns engines by DNS (the chart's Envoy:
+        # re-resolved every 5 s, behind CoreDNS's TTL) may still send it a retry meanwhile.
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_S}}},
         "volumeMounts": mounts + curve_mounts,
         "securityContext": _container_security(pool),
     }
     pod: dict[str, Any] = {
         "containers": [container], "volumes": volumes + curve_volumes,
         "initContainers": _init_containers(pool, image, mounts),
-        "terminationGracePeriodSeconds": 60,
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,  # engines never call the API server
         # (vLLM's image runs as root by default; it runs as this user as well)
