@@ -25,7 +25,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import Any
 
 from kube_pki import SERVICE_CIDR, make_pki
 
@@ -71,7 +71,7 @@ def free_port() -> int:
 
 @dataclass
 class ControlPlane:
-    """etcd + kube-apiserver in `root`; `start()`, then `stop()` (or use as a context).
+    """etcd + kube-apiserver in `root`; `start()`, then `stop()` (`control_plane()` below).
 
     The tests' plane serves on loopback with no nodes. `with_nodes` is a cluster's:
     served on `address` (where its nodes reach it), kubelets authorized by the Node
@@ -99,13 +99,6 @@ class ControlPlane:
     @property
     def audit_log(self) -> pathlib.Path:
         return self.root / "audit.log"
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def start(self) -> None:
         pki = self.root / "pki"
@@ -252,8 +245,7 @@ class ControlPlane:
         req = urllib.request.Request(self.url + path, data=data, method=method, headers={
             "Authorization": f"Bearer {token or self.admin_token}",
             "Content-Type": content_type})
-        ctx = ssl.create_default_context(cafile=str(self.ca_file))
-        with urllib.request.urlopen(req, context=ctx, timeout=30) as response:
+        with urllib.request.urlopen(req, context=self._tls(), timeout=30) as response:
             text = response.read()
         return json.loads(text) if text else None
 
@@ -273,6 +265,9 @@ class ControlPlane:
             causes = (status.get("details") or {}).get("causes") or ()
             return None, [f"{c.get('field', '')}: {c.get('message', '')}" for c in causes] or [
                 status.get("message", str(e))]
+
+    def _tls(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=str(self.ca_file))
 
     def audit(self) -> list[dict[str, Any]]:
         """Every request the API server has answered so far (audit events, ResponseComplete)."""
@@ -295,10 +290,9 @@ class ControlPlane:
                 if proc.poll() is not None:
                     raise RuntimeError(f"{name} exited {proc.returncode}:\n{self.log_tail(name)}")
             try:
-                ctx = ssl.create_default_context(cafile=str(self.ca_file))
                 req = urllib.request.Request(
                     f"{self.url}/readyz", headers={"Authorization": f"Bearer {self.admin_token}"})
-                with urllib.request.urlopen(req, context=ctx, timeout=5) as response:
+                with urllib.request.urlopen(req, context=self._tls(), timeout=5) as response:
                     if response.status == 200:
                         return
             except (urllib.error.URLError, OSError) as e:

@@ -86,7 +86,7 @@ def install_crds(plane: ControlPlane, *paths: pathlib.Path) -> None:
 def namespace(plane: ControlPlane, prefix: str) -> Iterator[str]:
     """A fresh namespace, deleted (with what is in it) afterwards."""
     name = f"{prefix}-{secrets.token_hex(3)}"
-    plane.kubectl("create", "namespace", name)
+    plane.create_namespace(name)
     try:
         yield name
     finally:

@@ -32,10 +32,13 @@ def containerd_socket(base: pathlib.Path) -> pathlib.Path:
     return base / "containerd" / "containerd.sock"
 
 
-def ctr(base: pathlib.Path, *args: str, input: bytes | None = None,
-        check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ctr", "--address", str(containerd_socket(base)), "-n", "k8s.io",
-                           *args], input=input, capture_output=True, check=check)
+def ctr(base: pathlib.Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ctr", *_ctr_target(base), *args], capture_output=True,
+                          check=check)
+
+
+def _ctr_target(base: pathlib.Path) -> list[str]:
+    return ["--address", str(containerd_socket(base)), "-n", "k8s.io"]
 
 
 def _containerd_config(base: pathlib.Path) -> str:
@@ -139,8 +142,7 @@ def import_image(base: pathlib.Path, image: str, tag: str | None = None) -> None
     """A Docker image (by name) into the node's containerd, also as `tag` when given;
     streamed from `docker save` (the engine's is ~6 GB)."""
     save = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE)
-    imported = subprocess.run(["ctr", "--address", str(containerd_socket(base)),
-                               "-n", "k8s.io", "images", "import", "-"],
+    imported = subprocess.run(["ctr", *_ctr_target(base), "images", "import", "-"],
                               stdin=save.stdout, capture_output=True, check=False)
     assert save.stdout is not None
     save.stdout.close()

@@ -21,17 +21,6 @@ def start(base: pathlib.Path, name: str, argv: list[str],
     return proc
 
 
-def alive(base: pathlib.Path, name: str) -> bool:
-    path = base / "pids" / name
-    if not path.exists():
-        return False
-    try:
-        os.kill(int(path.read_text()), 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def stop_all(base: pathlib.Path, order: list[str], grace_s: float = 10.0) -> None:
     """Stop every recorded process, those named in `order` first and in that order."""
     folder = base / "pids"

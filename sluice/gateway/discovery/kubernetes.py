@@ -78,6 +78,11 @@ def _flag(value: str | None) -> bool | None:
     return {"true": True, "false": False}.get((value or "").lower())
 
 
+def _key(pod: dict[str, Any], namespace: str) -> tuple[str, str]:
+    """(namespace, name): the pod's own namespace, `namespace` when it carries none."""
+    return pod["metadata"].get("namespace") or namespace, pod["metadata"]["name"]
+
+
 class KubernetesDiscovery:
     """One watch task per namespace; each owns its namespace's entries in `_pods` (all of
     them for `*`), and every change hands a copy of all entries to `on_change`."""
@@ -142,8 +147,7 @@ class KubernetesDiscovery:
                 self.lists += 1
                 found = {}
                 for pod in listing.get("items") or ():
-                    key = (pod["metadata"].get("namespace") or namespace,
-                           pod["metadata"]["name"])
+                    key = _key(pod, namespace)
                     if (ep := pod_endpoint(pod, key[0])) is not None:
                         found[key] = ep
                 on_change(self._replace(namespace, found))
@@ -153,14 +157,11 @@ class KubernetesDiscovery:
                             list_fn, *args, label_selector=self.selector,
                             resource_version=version, timeout_seconds=self.watch_timeout_s):
                         pod = event["raw_object"]
-                        key = (pod["metadata"].get("namespace") or namespace,
-                               pod["metadata"]["name"])
+                        key = _key(pod, namespace)
                         ep = None if event["type"] == "DELETED" else pod_endpoint(pod, key[0])
                         if (changed := self._set(key, ep)) is not None:
                             on_change(changed)
                 backoff = 0.5  # the watch expired: list again, at once
-            except asyncio.CancelledError:
-                raise
             except Exception as err:  # noqa: BLE001 -- API errors, 410 Gone, lost connection
                 log.warning("pod watch in %s failed (%s); re-listing in %.1fs", namespace,
                             err, backoff)
