@@ -69,20 +69,18 @@ class PickerThread:
 
 
 class Front:
-    """Envoy on a free port, the picker (in a thread) behind it: `url`, `gw` (the core)."""
+    """Envoy on a free port, the picker (in a thread) behind it: `url`, `gw` (the core).
+    Envoy learns the engines from the picker (EDS), as the chart's does."""
 
-    def __init__(self, gw: RoutingCore, engine_urls: list[str],
-                 keys: ApiKeys | None = None) -> None:
+    def __init__(self, gw: RoutingCore, keys: ApiKeys | None = None) -> None:
         self.gw = gw
         self.picker = PickerThread(gw, keys=keys)
-        self.engine_urls = engine_urls
 
     def __enter__(self) -> Self:
         self.picker.__enter__()
         self.envoy = EnvoyProcess(EnvoyConfig(
             listen_host="127.0.0.1", listen_port=0, admin_port=0, picker_port=self.picker.port,
-            endpoints=tuple(u.removeprefix("http://") for u in self.engine_urls),
-            route_prefixes=("/v1/", "/health"))).start()
+            eds=True, route_prefixes=("/v1/", "/health"))).start()
         self.url = f"http://127.0.0.1:{self.envoy.listen_port}"
         return self
 

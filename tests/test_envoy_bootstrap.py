@@ -39,6 +39,7 @@ CONFIGS = {
     "static": EnvoyConfig(endpoints=("10.0.0.1:8000", "10.0.0.2:8000"), admin_port=0),
     "dns": EnvoyConfig(endpoints=("engines.ns.svc.cluster.local:8000",),
                        picker_host="epp.ns.svc", picker_health_check=False, access_log=False),
+    "eds": EnvoyConfig(eds=True, picker_host="epp.ns.svc"),
 }
 
 
@@ -63,6 +64,8 @@ def test_render_is_pure_and_yaml_round_trips():
         render_bootstrap(EnvoyConfig(endpoints=("10.0.0.1",)))
     with pytest.raises(ValueError, match="dns-name"):
         render_bootstrap(EnvoyConfig(endpoints=("a.svc:80", "b.svc:80")))
+    with pytest.raises(ValueError, match="exclude"):
+        render_bootstrap(EnvoyConfig(eds=True, endpoints=("10.0.0.1:8000",)))
 
 
 def test_listener_limits_and_admin():
@@ -189,6 +192,13 @@ def test_engine_cluster_shapes():
     dns = _clusters(render_bootstrap(CONFIGS["dns"]))["sluice_engines"]
     assert "type" not in dns and dns["cluster_type"]["name"] == "envoy.cluster.dns"
     assert dns["cluster_type"]["typed_config"]["dns_lookup_family"] == "ALL"
+
+    eds = _clusters(render_bootstrap(CONFIGS["eds"]))["sluice_engines"]
+    assert eds["type"] == "EDS" and "load_assignment" not in eds
+    assert eds["load_balancing_policy"] == static["load_balancing_policy"]
+    source = eds["eds_cluster_config"]["eds_config"]["api_config_source"]
+    assert (source["api_type"], source["grpc_services"]) == (
+        "GRPC", [{"envoy_grpc": {"cluster_name": "sluice_picker"}}])
 
 
 def test_picker_cluster():

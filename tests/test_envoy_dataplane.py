@@ -32,6 +32,7 @@ import grpc
 import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
+from envoy.service.endpoint.v3 import eds_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf import json_format, struct_pb2
@@ -46,6 +47,7 @@ from sluice.gateway.envoy.bootstrap import (
     render_bootstrap,
 )
 from sluice.gateway.envoy.process import EnvoyError, EnvoyProcess, find_envoy
+from sluice.gateway.server.eds import EndpointDiscovery
 from sluice.openai_error import error_type
 
 try:
@@ -259,6 +261,8 @@ class Stubs:
             await e.start()
         self.server = grpc.aio.server()
         ep_grpc.add_ExternalProcessorServicer_to_server(Picker(self.events), self.server)
+        self.eds = EndpointDiscovery()
+        eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(self.eds, self.server)
         health_servicer = health.aio.HealthServicer()
         await health_servicer.set(EXT_PROC_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
@@ -439,6 +443,50 @@ def test_override_host_over_a_dns_name(stubs):
                         {"x-test-pick": f"{dead_endpoint()},{a.endpoint}"})
     assert reply.status == 200 and json.loads(reply.body)["engine"] == "a"
     assert served(stubs.events, "dns") == a.endpoint
+
+
+def test_engines_from_the_pickers_eds_follow_its_changes(stubs):
+    """EDS (the chart's shape): Envoy's hosts are the set the picker publishes, updated in
+    place; a named endpoint Envoy does not know is skipped for one it does."""
+    a, b = stubs.engines
+
+    def publish(*engines: Engine) -> None:
+        async def run() -> None:
+            stubs.eds.publish(e.endpoint for e in engines)
+        stubs.run(run())
+
+    def hosts(proc: EnvoyProcess) -> set[str]:
+        return {ln.split("::")[1] for ln in proc.admin_get("/clusters").splitlines()
+                if ln.startswith("sluice_engines::") and "::cx_active::" in ln}
+
+    def until_hosts(proc: EnvoyProcess, *engines: Engine) -> None:
+        deadline = time.monotonic() + 10
+        while hosts(proc) != {e.endpoint for e in engines}:
+            assert time.monotonic() < deadline, hosts(proc)
+            time.sleep(0.02)
+
+    publish(a)
+    with EnvoyProcess(_config(stubs, eds=True), concurrency=1) as proc:
+        assert hosts(proc) == {a.endpoint}  # ready only once the first assignment came
+        reply = request(proc.listen_port, "POST", "/v1/echo", "eds-a", b"{}",
+                        {"x-test-pick": f"{b.endpoint},{a.endpoint}"})
+        assert reply.status == 200 and json.loads(reply.body)["engine"] == "a"
+        assert engines_hit(stubs.events, "eds-a") == ["a"]  # b unknown: never tried
+
+        publish(a, b)
+        until_hosts(proc, a, b)
+        reply = request(proc.listen_port, "POST", "/v1/echo", "eds-b", b"{}",
+                        {"x-test-pick": f"{b.endpoint},{a.endpoint}"})
+        assert reply.status == 200 and json.loads(reply.body)["engine"] == "b"
+
+        publish(b)  # a deleted pod leaves Envoy's set at once
+        until_hosts(proc, b)
+        reply = request(proc.listen_port, "POST", "/v1/echo", "eds-gone", b"{}",
+                        {"x-test-pick": f"{a.endpoint}"})
+        assert reply.status == 200 and json.loads(reply.body)["engine"] == "b"
+        assert engines_hit(stubs.events, "eds-gone") == ["b"]
+        assert proc.stats("cluster.sluice_engines.update_rejected") == {
+            "cluster.sluice_engines.update_rejected": 0}
 
 
 def test_over_limit_body_gets_413_without_the_picker(envoy):

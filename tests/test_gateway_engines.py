@@ -55,7 +55,7 @@ def gateway(engines, redis_srv, tiny_chat_model):
                      redis_url=redis_srv.url, redis_timeout_s=0.2)
     gw = RoutingCore(cfg, StaticDiscovery([parse_engine_spec(s) for _, s in engines]),
                      PromptTokenizer.from_paths([str(tiny_chat_model)]))
-    with Front(gw, [p.url for p, _ in engines]) as front:
+    with Front(gw) as front:
         deadline = time.time() + 20
         while httpx.get(front.url + "/v1/models").json()["data"] == [] or \
                 len(gw.loads.fresh(time.time() * 1000)) < 2:
@@ -180,7 +180,7 @@ def test_engine_killed_mid_stream_ends_stream_with_error(tiny_chat_model):
     gw = RoutingCore(CoreConfig(routing=RoutingConfig(strategy="round_robin")),
                      StaticDiscovery([parse_engine_spec(spec)]))
     try:
-        with Front(gw, [proc.url]) as front:
+        with Front(gw) as front:
             events = []
             t0 = time.time()
             body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1000,
@@ -236,7 +236,7 @@ def test_a_picker_without_a_tokenizer_tokenizes_through_the_pods(engines, redis_
     cfg = CoreConfig(routing=RoutingConfig(strategy="kv_aware", speculative_ttl_ms=0),
                      redis_url=redis_srv.url, redis_timeout_s=0.2)
     gw = RoutingCore(cfg, StaticDiscovery([parse_engine_spec(s) for _, s in engines]))
-    with Front(gw, [p.url for p, _ in engines]) as front:
+    with Front(gw) as front:
         deadline = time.time() + 20
         while len(gw.loads.fresh(time.time() * 1000)) < 2:
             assert time.time() < deadline

@@ -55,7 +55,7 @@ def keyed_front(tmp_path):
     with Server(fake_engine("ok", {})) as up:
         gw = core(up.port)
         keys = ApiKeys(None, str(tmp_path), reload_s=0.05)
-        with Front(gw, [up.url], keys=keys) as front:
+        with Front(gw, keys=keys) as front:
             wait_for(lambda: len(gw.registry.active()) == 1)
             yield front, tmp_path
 
@@ -121,7 +121,7 @@ def test_through_envoy_the_engine_gets_its_own_key_or_the_open_gateways_header(k
         gw = RoutingCore(CoreConfig(routing=RoutingConfig(strategy="round_robin"),
                                     engine_api_key="sk-engine" if keyed else None),
                          StaticDiscovery([ep]))
-        with Front(gw, [up.url], keys=ApiKeys("sk-client") if keyed else None) as front:
+        with Front(gw, keys=ApiKeys("sk-client") if keyed else None) as front:
             wait_for(lambda: len(gw.registry.active()) == 1)
             client = openai.OpenAI(base_url=front.url + "/v1", api_key="sk-client",
                                    max_retries=0)

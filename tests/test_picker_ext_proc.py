@@ -259,7 +259,7 @@ def test_through_envoy_a_completion_costs_two_messages_and_an_empty_body_none():
     with Server(fake_engine("ok", {})) as a, Server(fake_engine("ok", {})) as b:
         gw = core([a.port, b.port])
         pods = [f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"]
-        with Front(gw, [a.url, b.url]) as front:
+        with Front(gw) as front:
             wait_for(lambda: len(gw.registry.active()) == 2)
             sent = "http.sluice.ext_proc.stream_msgs_sent"
             before = front.envoy.stats(sent)[sent]

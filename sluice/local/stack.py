@@ -203,11 +203,7 @@ class LocalStack:
         self.picker = picker = Child("picker", argv, self.out, 0, env)
         wait_until(lambda: picker.alive() and grpc_ready(grpc_port), 60, "picker", [picker])
         cfg = EnvoyConfig(listen_host=self.cfg.host, listen_port=self.cfg.port,
-                          admin_port=admin_port, picker_port=grpc_port,
-                          # (the destinations only: the picker never sends a client to a
-                          # prefill engine)
-                          endpoints=tuple(u.removeprefix("http://") for u in self.engine_urls
-                                          if u not in self.prefill_urls),
+                          admin_port=admin_port, picker_port=grpc_port, eds=True,
                           route_prefixes=("/v1/", "/health"), **self._tls_files())
         path = os.path.join(self.dir, "envoy.yaml")
         write_config(cfg, path)  # (with TLS, the SDS file beside it)

@@ -207,6 +207,8 @@ def _ports(pool: PoolSpec) -> tuple[tuple[str, int], ...]:
     return labels.PORTS
 
 
+# A deleted engine keeps serving this long: every router (our picker and Envoy by EDS, another
+# Gateway by its own Endpoints watch) stops sending new requests before the listener closes.
 PRESTOP_S = 10
 TERMINATION_GRACE_S = 60  # the pre-stop wait, then in-flight generations drain
 

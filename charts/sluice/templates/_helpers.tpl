@@ -117,10 +117,6 @@ release namespace. */}}
 {{- printf "%s-picker-headless.%s.svc.%s" (include "sluice.fullname" .) .Release.Namespace .Values.gateway.clusterDomain -}}
 {{- end -}}
 
-{{- define "sluice.enginesHost" -}}
-{{- printf "%s-engines.%s.svc.%s" (include "sluice.fullname" .) (include "sluice.gatewayNamespace" .) .Values.gateway.clusterDomain -}}
-{{- end -}}
-
 {{/* Settings that only work together, checked once for every template that uses them. */}}
 {{- define "sluice.checkGie" -}}
 {{- if .Values.gie.enabled }}

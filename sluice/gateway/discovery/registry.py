@@ -41,6 +41,7 @@ class PodRegistry:
         self._pending: dict[str, asyncio.Task] = {}
         self._seen: set[str] = set()  # every model an engine has served (few)
         self.on_remove: list[Callable[[str], None]] = []
+        self.on_update: list[Callable[[list[Endpoint]], None]] = []  # all, after a change
         # A removed pod's KV-event subscription and index entries are kept for
         # `forget_after_s`: a pod that was only briefly not Ready comes back with
         # its cache (and entries) intact instead of being purged from Redis for
@@ -104,6 +105,8 @@ class PodRegistry:
                 else:
                     self._pending[pod] = asyncio.get_running_loop().create_task(
                         self._learn_models(ep))
+        for callback in self.on_update:
+            callback(list(self._endpoints.values()))
 
     def _remove(self, pod: str) -> None:
         log.info("engine %s removed", pod)

@@ -5,10 +5,11 @@ ext_proc (the picker reads the whole body, names `ip:port` endpoints; completion
 listener.BODY_FIRST_MODE) -> buffer (holds the headers until then) -> Lua (applies a body-first
 answer's header changes) -> header_to_metadata -> router. Envoy 1.40 does fallbacks only over hosts a cluster already knows, hence two shapes:
 
-* no `endpoints`: ORIGINAL_DST routes to the ONE `ip:port` in request header
+* no `endpoints` and no `eds`: ORIGINAL_DST routes to the ONE `ip:port` in request header
   `x-gateway-destination-endpoint` (a comma list there is an invalid host: 503). Retries go to
   that same host; there are no fallbacks.
-* `endpoints` (static `ip:port`s, or one `name:port` such as a headless Service): the
+* `eds` (the picker's own endpoint set, by EDS from the picker: what the chart runs), or
+  `endpoints` (static `ip:port`s, or one `name:port` resolved by DNS): the
   override_host LB policy reads the ordered comma list in metadata `envoy.lb` /
   `x-gateway-destination-endpoint`; each retry takes the next host of the list.
 
@@ -63,6 +64,9 @@ class EnvoyConfig:
     # Empty: ORIGINAL_DST (one host per request, no fallbacks). Else the engines as "ip:port"
     # (STATIC) or one "name:port" (STRICT_DNS, e.g. the InferencePool's headless Service).
     endpoints: tuple[str, ...] = ()
+    # The engines from the picker's EDS (picker_host:picker_port): Envoy's hosts are exactly
+    # the endpoints the picker may name. Excludes `endpoints`.
+    eds: bool = False
     route_prefixes: tuple[str, ...] = ("/v1/",)  # other paths: 404 from Envoy
     max_request_bytes: int = 16 << 20
     max_request_headers_kb: int = 64
@@ -135,15 +139,13 @@ def _engine_cluster(cfg: EnvoyConfig) -> dict:
         "per_connection_buffer_limit_bytes": cfg.connection_buffer_bytes,
         "circuit_breakers": _circuit_breakers(cfg),
         "typed_extension_protocol_options": _http_options(h2=False, idle_s=60)}
-    if not cfg.endpoints:
+    if cfg.eds and cfg.endpoints:
+        raise ValueError("eds and endpoints exclude each other")
+    if not cfg.endpoints and not cfg.eds:
         return {**cluster, "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED",
                 "cleanup_interval": "60s",  # keeps idle engines' pooled connections warm
                 "original_dst_lb_config": {"use_http_header": True,
                                            "http_header_name": DEST_HEADER}}
-    hosts = [_split_host_port(e) for e in cfg.endpoints]
-    dns = not all(_is_ip(h) for h, _ in hosts)
-    if dns and len(hosts) != 1:
-        raise ValueError("endpoints: a list of ip:port, or exactly one dns-name:port")
     override = {
         "@type": T + "load_balancing_policies.override_host.v3.OverrideHost",
         # Metadata only: it carries the whole ordered list. The header (the same list) as a
@@ -154,10 +156,19 @@ def _engine_cluster(cfg: EnvoyConfig) -> dict:
         "fallback_policy": {"policies": [{"typed_extension_config": {
             "name": "envoy.load_balancing_policies.least_request", "typed_config": {
                 "@type": T + "load_balancing_policies.least_request.v3.LeastRequest"}}}]}}
-    cluster.update({
-        "load_assignment": _load_assignment(ENGINE_CLUSTER, hosts),
-        "load_balancing_policy": {"policies": [{"typed_extension_config": {
-            "name": "envoy.load_balancing_policies.override_host", "typed_config": override}}]}})
+    cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
+        "name": "envoy.load_balancing_policies.override_host", "typed_config": override}}]}
+    if cfg.eds:
+        return {**cluster, "type": "EDS", "eds_cluster_config": {"eds_config": {
+            "resource_api_version": "V3", "api_config_source": {
+                "api_type": "GRPC", "transport_api_version": "V3",
+                "set_node_on_first_message_only": True,
+                "grpc_services": [{"envoy_grpc": {"cluster_name": PICKER_CLUSTER}}]}}}}
+    hosts = [_split_host_port(e) for e in cfg.endpoints]
+    dns = not all(_is_ip(h) for h, _ in hosts)
+    if dns and len(hosts) != 1:
+        raise ValueError("endpoints: a list of ip:port, or exactly one dns-name:port")
+    cluster["load_assignment"] = _load_assignment(ENGINE_CLUSTER, hosts)
     if not dns:
         return {**cluster, "type": "STATIC"}
     # A headless Service: one host per A/AAAA record, re-resolved every dns_refresh_s (the

@@ -1,4 +1,5 @@
-"""The picker's gRPC server: ext_proc plus gRPC health, as GIE defines them.
+"""The picker's gRPC server: ext_proc plus gRPC health, as GIE defines them, and EDS for the
+engines cluster of Sluice's own Envoy (`eds.py`).
 
 Health services (grpc.health.v1): `liveness` serves from the start; `readiness`,
 the overall "" and `envoy.service.ext_proc.v3.ExternalProcessor` serve once the
@@ -12,12 +13,15 @@ import asyncio
 import logging
 
 import grpc
+from envoy.service.endpoint.v3 import eds_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from sluice.gateway.core import RoutingCore
+from sluice.gateway.discovery.static import PREFILL
 from sluice.gateway.server.api_keys import ApiKeys
+from sluice.gateway.server.eds import EndpointDiscovery
 from sluice.gateway.server.ext_proc import ExternalProcessor
 from sluice.gateway.server.picker import EndpointPicker, PickerConfig
 
@@ -52,6 +56,12 @@ class PickerServer:
         pb_grpc.add_ExternalProcessorServicer_to_server(
             ExternalProcessor(self.picker, self.keys), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.eds = EndpointDiscovery()
+        # (destinations only: a client request never goes to a prefill engine, not even as
+        # Envoy's last fallback)
+        core.registry.on_update.append(
+            lambda eps: self.eds.publish(e.pod for e in eps if e.role != PREFILL))
+        eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(self.eds, self.server)
         self.port = self.server.add_insecure_port(f"{host}:{port}")
         if not self.port:
             raise OSError(f"the picker cannot listen on {host}:{port}")
