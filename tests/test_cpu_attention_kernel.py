@@ -1,24 +1,20 @@
-"""The compiled CPU paged attention kernel (cpu_attention.c) against the PyTorch reference."""
+"""The CPU paged attention kernel (csrc/paged_attention.c), every ISA variant this CPU runs,
+against the PyTorch reference."""
 
 from __future__ import annotations
 
-import ctypes
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from sluice.engine import native
+from sluice.engine import kernels
 from sluice.engine.attention import cpu_kernel
 from sluice.engine.attention.backend import AttentionMetadata, kv_cache_shape
 from sluice.engine.attention.cpu_backend import CpuAttentionBackend
 from sluice.engine.attention.torch_backend import TorchAttentionBackend
-
-
-@pytest.fixture(scope="module")
-def lib():
-    built = cpu_kernel.load()
-    assert built is not None, "gcc is on every machine this project runs its tests on"
-    return built
 
 
 def _step(gen, lens, q_lens, block_size, kv_heads, group, head_dim, dtype):
@@ -46,7 +42,7 @@ def _step(gen, lens, q_lens, block_size, kv_heads, group, head_dim, dtype):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("block_size, head_dim", [(16, 64), (16, 32), (32, 128), (8, 80)])
-def test_kernel_equals_reference(lib, dtype, tol, block_size, head_dim):
+def test_kernel_equals_reference(ops, dtype, tol, block_size, head_dim):
     gen = torch.Generator().manual_seed(block_size * 1000 + head_dim)
     lens = [1, block_size, block_size + 1, 45, 300, 9, 60, 77, 210]
     # decodes, speculative-style rows, prefill chunks of one tile and of four (64, 64, 64, 8
@@ -55,18 +51,18 @@ def test_kernel_equals_reference(lib, dtype, tol, block_size, head_dim):
     q, cache, meta = _step(gen, lens, q_lens, block_size, 2, 3, head_dim, dtype)
     ref = TorchAttentionBackend().attend(q, cache, meta, head_dim ** -0.5)
     meta.plan = None
-    got = CpuAttentionBackend(lib).attend(q, cache, meta, head_dim ** -0.5)
+    got = CpuAttentionBackend(ops).attend(q, cache, meta, head_dim ** -0.5)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
 
 
-def test_kernel_threads_and_gqa_groups(lib):
+def test_kernel_threads_and_gqa_groups(ops):
     """Several OpenMP threads give the result one thread gives; MHA (group 1) and wide GQA."""
     for kv_heads, group in [(4, 1), (1, 8)]:
         gen = torch.Generator().manual_seed(group)
         q, cache, meta = _step(gen, [50, 200, 3, 129], [1, 4, 1, 2], 16, kv_heads, group, 64,
                                torch.float32)
-        backend = CpuAttentionBackend(lib)
+        backend = CpuAttentionBackend(ops)
         before = torch.get_num_threads()
         try:
             torch.set_num_threads(1)
@@ -82,19 +78,19 @@ def test_kernel_threads_and_gqa_groups(lib):
         torch.testing.assert_close(one, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_kernel_plan_skips_the_blockwise_tensors(lib):
+def test_kernel_plan_skips_the_blockwise_tensors(ops):
     q, cache, meta = _step(torch.Generator().manual_seed(3), [20, 40], [1, 1], 16, 2, 2, 64,
                            torch.bfloat16)
-    CpuAttentionBackend(lib).attend(q, cache, meta, 0.125)
+    CpuAttentionBackend(ops).attend(q, cache, meta, 0.125)
     assert meta.plan.blockwise is None and meta.plan.items.seq_lens.tolist() == [20, 40]
     # float16 is not a kernel dtype: the same backend takes the PyTorch blockwise path.
     meta.plan = None
-    CpuAttentionBackend(lib).attend(q.half(), cache.half(), meta, 0.125)
+    CpuAttentionBackend(ops).attend(q.half(), cache.half(), meta, 0.125)
     assert meta.plan.blockwise is not None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_extreme_scores_stay_finite_and_nan_propagates(lib, dtype):
+def test_extreme_scores_stay_finite_and_nan_propagates(ops, dtype):
     """Scores far apart (one key dominating by ~1e4) underflow the rest to 0 without NaN or
     inf; a NaN in the cache shows in the output instead of being masked away (bf16 at this
     shape takes the AVX-512 BF16 path where the CPU has one)."""
@@ -102,54 +98,55 @@ def test_extreme_scores_stay_finite_and_nan_propagates(lib, dtype):
     q, cache, meta = _step(gen, [40], [1], 16, 1, 1, 64, dtype)
     table = meta.block_tables[0].tolist()
     cache[0, table[1], 0, 3] = q[0, 0] * 300  # key 19 scores ~1e4 above the rest
-    out = CpuAttentionBackend(lib).attend(q, cache, meta, 1.0)
+    out = CpuAttentionBackend(ops).attend(q, cache, meta, 1.0)
     torch.testing.assert_close(out[0, 0], cache[1, table[1], 0, 3])
     cache[1, table[2], 0, 0, 0] = float("nan")
     meta.plan = None
-    assert CpuAttentionBackend(lib).attend(q, cache, meta, 1.0).isnan().any()
+    assert CpuAttentionBackend(ops).attend(q, cache, meta, 1.0).isnan().any()
 
 
-def test_no_usable_compiler_or_cache_folder_keeps_the_pytorch_path(tmp_path, monkeypatch):
-    """A broken $CC, a compiler that fails, or only cache folders another user may write
-    to: load() is None (logged), the engine builds the PyTorch backend, and `--attention-
-    backend cpu` refuses to start."""
+def test_without_the_kernels_the_engine_keeps_the_pytorch_path(monkeypatch):
+    """An install built without torch has no sluice.engine._C: load() is None, the engine
+    builds the PyTorch backend, and `--attention-backend cpu` refuses to start."""
     from sluice.engine.llm_engine import LLMEngine
 
-    shared = tmp_path / "shared"
-    shared.mkdir(mode=0o777)
-    shared.chmod(0o777)  # world-writable, as /tmp is: never a source of code to load
-    cases = [({"CC": str(tmp_path / "no-such-cc")}, None),
-             ({"CC": "false"}, None),
-             ({"XDG_CACHE_HOME": str(shared)}, [shared / "sluice" / "kernels"])]
-    for env, dirs in cases:
-        cpu_kernel.load.cache_clear()
-        with monkeypatch.context() as m:
-            for k, v in env.items():
-                m.setenv(k, v)
-            if dirs is not None:
-                (shared / "sluice" / "kernels").mkdir(parents=True, exist_ok=True)
-                (shared / "sluice" / "kernels").chmod(0o777)
-                m.setattr(native, "_cache_dirs", lambda d=dirs: d)
-            assert cpu_kernel.load() is None, env
-            assert type(LLMEngine._cpu_backend(required=False)) is TorchAttentionBackend
-            with pytest.raises(RuntimeError, match="could not be built"):
-                LLMEngine._cpu_backend(required=True)
-    cpu_kernel.load.cache_clear()
+    kernels.ops.cache_clear()
+    monkeypatch.setitem(sys.modules, "sluice.engine._C", None)  # import raises ImportError
+    try:
+        assert cpu_kernel.load() is None
+        assert type(LLMEngine._cpu_backend(required=False)) is TorchAttentionBackend
+        with pytest.raises(RuntimeError, match="not installed"):
+            LLMEngine._cpu_backend(required=True)
+    finally:
+        kernels.ops.cache_clear()
+    monkeypatch.undo()
     assert cpu_kernel.load() is not None
 
 
-def test_an_edited_header_builds_a_new_library(tmp_path, monkeypatch):
-    """The build cache's key covers the local headers a source includes, so an engine never
-    loads a library built from an older header."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    source, header = tmp_path / "k.c", tmp_path / "k.h"
-    source.write_text('#include "k.h"\nint value(void) { return VALUE; }\n')
-    flags = ["-O1", "-fPIC", "-shared"]
-    built = []
-    for value in (1, 2):
-        header.write_text(f"#define VALUE {value}\n")
-        path = native.build(source, flags)
-        assert path is not None
-        built.append(path)
-        assert ctypes.CDLL(str(path)).value() == value
-    assert built[0] != built[1]
+@pytest.mark.parametrize("isa, selected", [("portable", "portable"), ("sse9", None)])
+def test_the_environment_forces_a_variant(isa, selected):
+    """SLUICE_CPU_ISA: the portable path on any machine (CI forces it through the tests
+    above too); a variant not built is an error naming those that are."""
+    code = ("from sluice.engine import kernels; import torch; kernels.ops(); "
+            "print(torch.ops.sluice.cpu_isa())")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, kernels.ISA_ENV: isa}, timeout=120, check=False)
+    if selected is None:
+        assert run.returncode != 0 and "no CPU kernel variant sse9 (built: portable" in \
+            run.stderr, run.stderr
+    else:
+        assert run.returncode == 0 and run.stdout.split() == [selected], run.stderr
+
+
+def test_bad_calls_are_errors_not_reads_out_of_bounds(ops):
+    q = torch.zeros(2, 4, 64)
+    cache = torch.zeros(kv_cache_shape(4, 16, 2, 64))
+    table = torch.zeros(1, 4, dtype=torch.int32)
+    ints = [torch.zeros(1, dtype=torch.int32) for _ in range(4)]
+    with pytest.raises(RuntimeError, match="one dtype"):
+        ops.paged_attention(q, q.bfloat16(), cache[0], cache[1], table, *ints, 1.0)
+    with pytest.raises(RuntimeError, match="int32"):
+        ops.paged_attention(q, q.clone(), cache[0], cache[1], table, ints[0], ints[1],
+                            ints[2], torch.zeros(2, dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="weight"):
+        ops.rms_norm(torch.zeros(2, 64).bfloat16(), torch.zeros(32).bfloat16(), 1e-5)

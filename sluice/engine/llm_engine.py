@@ -145,11 +145,11 @@ class LLMEngine:
 
     @staticmethod
     def _cpu_backend(required: bool) -> TorchAttentionBackend:
-        lib = cpu_kernel.load()
-        if lib is None and required:
-            raise RuntimeError("--attention-backend cpu: the CPU attention kernel could not be "
-                               "built here (a C compiler, gcc or $CC, is needed; log above)")
-        return TorchAttentionBackend() if lib is None else CpuAttentionBackend(lib)
+        ops = cpu_kernel.load()
+        if ops is None and required:
+            raise RuntimeError("--attention-backend cpu: the CPU kernels are not installed "
+                               "(sluice.engine._C; log above)")
+        return TorchAttentionBackend() if ops is None else CpuAttentionBackend(ops)
 
     def _step_peak(self) -> int:
         """On CUDA, the activation peak of a full-budget step (measured on a scratch pool)."""

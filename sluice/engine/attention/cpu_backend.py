@@ -1,19 +1,17 @@
 """The CPU attention backend: the PyTorch backend's plan and KV writes, with attention
-through the compiled paged kernel (cpu_attention.c).
+through the compiled paged kernel (csrc/paged_attention.c).
 
 The kernel reads each KV block in place with an online softmax: no gathered tiles, no padded
 score matrix, one call per layer. Decodes and speculative rows are one item per sequence;
 prefill chunks are split into PREFILL_TILE-row items. Against the PyTorch path (one thread,
 SmolLM2-135M, docs/benchmarks.md): a batch-32 decode step 72 -> 56 ms, a 400-token prefill
 387 -> 303 ms (CPU flash SDPA 4.5 ms per layer, the kernel 2.3). Shapes or dtypes the kernel
-does not take (float16, head_dim or block_size over 256) keep the PyTorch path, as does a
-machine without a C compiler (`cpu_kernel.load()` returns None and the engine builds a
+does not take (float16, head_dim or block_size over 256) keep the PyTorch path, as does an
+install without the kernels (`cpu_kernel.load()` returns None and the engine builds a
 TorchAttentionBackend).
 """
 
 from __future__ import annotations
-
-import ctypes
 
 import torch
 
@@ -27,8 +25,8 @@ PREFILL_TILE = 64
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    def __init__(self, lib: ctypes.CDLL):
-        self._lib = lib
+    def __init__(self, ops):
+        self._ops = ops  # torch.ops.sluice
 
     def _build_plan(self, kv_cache: torch.Tensor, meta: AttentionMetadata) -> StepPlan:
         if not cpu_kernel.supports(kv_cache.dtype, kv_cache.shape[3], kv_cache.shape[4]):
@@ -42,6 +40,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
             super()._attend_items(q, out, kv_cache, meta, plan, scale)
             return
         items = plan.items
-        cpu_kernel.paged_attention(self._lib, q.contiguous(), out, kv_cache, meta.block_tables,
+        cpu_kernel.paged_attention(self._ops, q.contiguous(), out, kv_cache, meta.block_tables,
                                    items.seq_rows, items.q_starts, items.q_lens, items.seq_lens,
                                    scale)

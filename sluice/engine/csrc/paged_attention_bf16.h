@@ -1,10 +1,10 @@
-/* The AVX-512 BF16 paths of cpu_attention.c for its commonest shape (bf16, head_dim 64,
+/* The AVX-512 BF16 paths of paged_attention.c for its commonest shape (bf16, head_dim 64,
  * block_size 16). Few query rows (decodes): the key tile is read as stored by the bf16
  * dot-product instruction, and each value row is widened once for all of a GQA group's
  * rows. Many rows (prefill tiles): the key tile is rearranged once into dimension pairs,
  * and each row's 16 scores are 32 dot-product steps on a broadcast pair of its query.
- * Included by cpu_attention.c after exp_poly and row_offset, only where the compiler targets
- * AVX512_BF16 (-march=native on such a CPU); elsewhere the portable loops run.
+ * Included by paged_attention.c after exp_poly and row_offset, only in the build that targets
+ * AVX512_BF16 (setup.py's avx512bf16 variant); the other variants run the portable loops.
  */
 #include <immintrin.h>
 

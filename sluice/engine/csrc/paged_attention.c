@@ -26,7 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../bf16.h"
+#include "bf16.h"
+#include "isa.h"
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
 #define MAX_BLOCK 256
@@ -148,7 +149,7 @@ static inline int64_t row_offset(int r, int q_start, int group, int kv_head, int
 }
 
 #if defined(__AVX512BF16__)
-#include "cpu_attention_bf16.h"
+#include "paged_attention_bf16.h"
 #define INTRINSICS(dtype, head_dim, block_size) \
     ((dtype) == DTYPE_BF16 && (head_dim) == 64 && (block_size) == 16)
 #else
@@ -297,8 +298,8 @@ static void attend_dispatch(const void *q, void *out, const void *k_cache, const
 }
 
 /* Returns 0, or -1 for shapes this kernel does not take (the caller checks them first). */
-int sluice_paged_attention(const void *q, void *out, const void *k_cache, const void *v_cache,
-                        const int32_t *block_tables, int64_t table_stride,
+int SLUICE_KERNEL(paged_attention)(const void *q, void *out, const void *k_cache,
+                        const void *v_cache, const int32_t *block_tables, int64_t table_stride,
                         const int32_t *seq_rows, const int32_t *q_starts, const int32_t *q_lens,
                         const int32_t *seq_lens, int num_seqs, int num_heads, int kv_heads,
                         int head_dim, int block_size, float scale, int dtype, int num_threads) {

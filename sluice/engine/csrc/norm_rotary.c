@@ -12,11 +12,12 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "../bf16.h"
+#include "bf16.h"
+#include "isa.h"
 
 /* x, out: [rows, dim] (row stride x_stride / dim elements); w: [dim]. */
-void sluice_rms_norm(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint16_t *out,
-                     int64_t rows, int dim, float eps) {
+void SLUICE_KERNEL(rms_norm)(const uint16_t *x, int64_t x_stride, const uint16_t *w,
+                              uint16_t *out, int64_t rows, int dim, float eps) {
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *xr = x + r * x_stride;
         uint16_t *yr = out + r * dim;
@@ -34,8 +35,9 @@ void sluice_rms_norm(const uint16_t *x, int64_t x_stride, const uint16_t *w, uin
 
 /* x: [tokens, heads, head_dim] with token stride x_stride; out: the same shape, contiguous;
  * cos, sin: [tokens, head_dim] (each half repeated, as RotaryEmbedding.cos_sin builds them). */
-void sluice_rotary(const uint16_t *x, int64_t x_stride, uint16_t *out, const uint16_t *cos,
-                   const uint16_t *sin, int64_t tokens, int heads, int head_dim) {
+void SLUICE_KERNEL(rotary)(const uint16_t *x, int64_t x_stride, uint16_t *out,
+                            const uint16_t *cos, const uint16_t *sin, int64_t tokens, int heads,
+                            int head_dim) {
     const int half = head_dim / 2;
     for (int64_t t = 0; t < tokens; t++) {
         const uint16_t *c = cos + t * head_dim, *s = sin + t * head_dim;

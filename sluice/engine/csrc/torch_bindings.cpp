@@ -1,0 +1,217 @@
+// The engine's CPU kernels as torch ops: torch.ops.sluice.{rms_norm, rotary, paged_attention}.
+//
+// Policy: the library holds every instruction-set variant setup.py built (SLUICE_ISAS, a
+// macro it defines, best last); the first call uses the best one this CPU runs, unless
+// select_cpu_isa named another (SLUICE_CPU_ISA, read by sluice/engine/kernels.py; the tests
+// force each variant in turn). Arguments are checked here, so a bad call is a RuntimeError,
+// never a read out of bounds. Imported as the module sluice.engine._C, which registers them.
+#include <Python.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#ifndef SLUICE_ISAS
+#error "build with -DSLUICE_ISAS(X)=X(portable)... (setup.py does)"
+#endif
+
+using RmsNormFn = void (*)(const uint16_t *, int64_t, const uint16_t *, uint16_t *, int64_t, int,
+                           float);
+using RotaryFn = void (*)(const uint16_t *, int64_t, uint16_t *, const uint16_t *,
+                          const uint16_t *, int64_t, int, int);
+using AttentionFn = int (*)(const void *, void *, const void *, const void *, const int32_t *,
+                            int64_t, const int32_t *, const int32_t *, const int32_t *,
+                            const int32_t *, int, int, int, int, int, float, int, int);
+
+#define SLUICE_DECLARE(isa)                                                              \
+    extern "C" void sluice_rms_norm_##isa(const uint16_t *, int64_t, const uint16_t *,   \
+                                          uint16_t *, int64_t, int, float);              \
+    extern "C" void sluice_rotary_##isa(const uint16_t *, int64_t, uint16_t *,           \
+                                        const uint16_t *, const uint16_t *, int64_t, int, \
+                                        int);                                            \
+    extern "C" int sluice_paged_attention_##isa(                                         \
+        const void *, void *, const void *, const void *, const int32_t *, int64_t,      \
+        const int32_t *, const int32_t *, const int32_t *, const int32_t *, int, int, int, \
+        int, int, float, int, int);
+SLUICE_ISAS(SLUICE_DECLARE)
+
+namespace {
+
+struct Variant {
+    const char *name;
+    RmsNormFn rms_norm;
+    RotaryFn rotary;
+    AttentionFn paged_attention;
+};
+
+#define SLUICE_ENTRY(isa) \
+    Variant{#isa, sluice_rms_norm_##isa, sluice_rotary_##isa, sluice_paged_attention_##isa},
+const Variant kVariants[] = {SLUICE_ISAS(SLUICE_ENTRY)};
+
+// Whether this CPU (and its OS, for the AVX-512 state) runs a variant's instructions; the
+// names and -march levels are setup.py's.
+bool runs(const std::string &isa) {
+    if (isa == "portable") return true;
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    if (isa == "avx2") return __builtin_cpu_supports("x86-64-v3");
+    if (isa == "avx512") return __builtin_cpu_supports("x86-64-v4");
+    if (isa == "avx512bf16")
+        return __builtin_cpu_supports("x86-64-v4") && __builtin_cpu_supports("avx512bf16");
+#endif
+    return false;
+}
+
+const Variant *best() {
+    const Variant *pick = &kVariants[0];
+    for (const Variant &v : kVariants)
+        if (runs(v.name)) pick = &v;
+    return pick;
+}
+
+std::atomic<const Variant *> selected{nullptr};
+
+const Variant &current() {
+    const Variant *v = selected.load(std::memory_order_acquire);
+    if (v == nullptr) {
+        v = best();
+        selected.store(v, std::memory_order_release);
+    }
+    return *v;
+}
+
+std::string cpu_isa() { return current().name; }
+
+std::vector<std::string> cpu_isas() {
+    std::vector<std::string> names;
+    for (const Variant &v : kVariants)
+        if (runs(v.name)) names.emplace_back(v.name);
+    return names;
+}
+
+void select_cpu_isa(c10::string_view name) {
+    const std::string wanted(name);
+    for (const Variant &v : kVariants) {
+        if (wanted == v.name) {
+            TORCH_CHECK(runs(wanted), "this CPU cannot run the ", wanted, " kernels");
+            selected.store(&v, std::memory_order_release);
+            return;
+        }
+    }
+    std::string built;
+    for (const Variant &v : kVariants) built += std::string(built.empty() ? "" : ", ") + v.name;
+    TORCH_CHECK(false, "no CPU kernel variant ", wanted, " (built: ", built, ")");
+}
+
+template <typename T>
+const T *in(const at::Tensor &t) {
+    return static_cast<const T *>(t.const_data_ptr());
+}
+
+template <typename T>
+T *out_of(at::Tensor &t) {
+    return static_cast<T *>(t.mutable_data_ptr());
+}
+
+void check_cpu(const at::Tensor &t, const char *name) {
+    TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+}
+
+// y = bf16(w * bf16(x / rms(x))) per row of bf16 x [rows, dim] (rows may be strided).
+at::Tensor rms_norm(const at::Tensor &x, const at::Tensor &weight, double eps) {
+    check_cpu(x, "x");
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
+                "rms_norm takes bfloat16");
+    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x: [rows, dim], each row contiguous");
+    TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight: [dim]");
+    at::Tensor y = at::empty(x.sizes(), x.options());
+    current().rms_norm(in<uint16_t>(x), x.stride(0), in<uint16_t>(weight), out_of<uint16_t>(y),
+                       x.size(0), static_cast<int>(x.size(1)), static_cast<float>(eps));
+    return y;
+}
+
+// Rotate-half rotary of bf16 x [tokens, heads, head_dim] (heads contiguous within a token);
+// cos, sin: [tokens, (1,) head_dim]. The result is contiguous.
+at::Tensor rotary(const at::Tensor &x, const at::Tensor &cos, const at::Tensor &sin) {
+    check_cpu(x, "x");
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && cos.scalar_type() == at::kBFloat16 &&
+                    sin.scalar_type() == at::kBFloat16, "rotary takes bfloat16");
+    TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+                "x: [tokens, heads, head_dim], heads contiguous within a token");
+    const int64_t tokens = x.size(0), head_dim = x.size(2);
+    for (const at::Tensor *t : {&cos, &sin})
+        TORCH_CHECK(t->is_contiguous() && t->numel() == tokens * head_dim &&
+                        t->size(0) == tokens && t->size(-1) == head_dim,
+                    "cos, sin: [tokens, (1,) head_dim], contiguous");
+    at::Tensor y = at::empty(x.sizes(), x.options());
+    current().rotary(in<uint16_t>(x), x.stride(0), out_of<uint16_t>(y), in<uint16_t>(cos),
+                     in<uint16_t>(sin), tokens, static_cast<int>(x.size(1)),
+                     static_cast<int>(head_dim));
+    return y;
+}
+
+// Writes out's rows of the listed items (paged_attention.c says how an item is read).
+void paged_attention(const at::Tensor &q, at::Tensor &out, const at::Tensor &key_cache,
+                     const at::Tensor &value_cache, const at::Tensor &block_tables,
+                     const at::Tensor &seq_rows, const at::Tensor &q_starts,
+                     const at::Tensor &q_lens, const at::Tensor &seq_lens, double scale) {
+    check_cpu(q, "q");
+    const auto dtype = q.scalar_type();
+    TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "float32 or bfloat16 only");
+    for (const at::Tensor *t : {static_cast<const at::Tensor *>(&out), &key_cache, &value_cache})
+        TORCH_CHECK(t->scalar_type() == dtype && t->is_contiguous(),
+                    "q, out and the caches: one dtype, contiguous");
+    TORCH_CHECK(q.is_contiguous() && q.dim() == 3 && out.sizes() == q.sizes(),
+                "q, out: [tokens, heads, head_dim]");
+    TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() &&
+                    key_cache.size(3) == q.size(2),
+                "caches: [blocks, kv_heads, block_size, head_dim]");
+    TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
+                    block_tables.stride(1) == 1, "block_tables: int32 rows");
+    const int64_t items = seq_rows.numel();
+    for (const at::Tensor *t : {&seq_rows, &q_starts, &q_lens, &seq_lens})
+        TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous() && t->numel() == items,
+                    "seq_rows, q_starts, q_lens, seq_lens: int32 [items]");
+    const int status = current().paged_attention(
+        q.const_data_ptr(), out.mutable_data_ptr(), key_cache.const_data_ptr(),
+        value_cache.const_data_ptr(), in<int32_t>(block_tables), block_tables.stride(0),
+        in<int32_t>(seq_rows), in<int32_t>(q_starts), in<int32_t>(q_lens),
+        in<int32_t>(seq_lens), static_cast<int>(items), static_cast<int>(q.size(1)),
+        static_cast<int>(key_cache.size(1)), static_cast<int>(q.size(2)),
+        static_cast<int>(key_cache.size(2)), static_cast<float>(scale),
+        dtype == at::kBFloat16 ? 1 : 0, at::get_num_threads());
+    TORCH_CHECK(status == 0, "CPU paged attention failed (", status,
+                "): head_dim and block_size at most 256, heads a multiple of kv_heads");
+}
+
+}  // namespace
+
+TORCH_LIBRARY(sluice, m) {
+    m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+    m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+    m.def("paged_attention(Tensor q, Tensor(a!) out, Tensor key_cache, Tensor value_cache, "
+          "Tensor block_tables, Tensor seq_rows, Tensor q_starts, Tensor q_lens, "
+          "Tensor seq_lens, float scale) -> ()");
+    m.def("cpu_isa() -> str", &cpu_isa);
+    m.def("cpu_isas() -> str[]", &cpu_isas);
+    m.def("select_cpu_isa(str name) -> ()", &select_cpu_isa);
+}
+
+TORCH_LIBRARY_IMPL(sluice, CPU, m) {
+    m.impl("rms_norm", &rms_norm);
+    m.impl("rotary", &rotary);
+    m.impl("paged_attention", &paged_attention);
+}
+
+// `import sluice.engine._C` loads the library, whose static initialisers register the ops.
+PyMODINIT_FUNC PyInit__C(void) {
+    static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C",
+                                 "The engine's CPU kernels; see torch.ops.sluice.", -1, nullptr};
+    return PyModule_Create(&module);
+}
