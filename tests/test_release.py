@@ -75,6 +75,27 @@ def test_the_three_images_are_built_for_amd64_and_arm64_and_pushed_to_ghcr(workf
     assert login["registry"] == "ghcr.io"
 
 
+def test_each_image_builds_from_its_official_base_pinned_by_digest(workflow):
+    """The pin step's own shell reads each Dockerfile's base ARG (a tag, to resolve); the
+    build gets tag@digest for that ARG and records both as OCI labels."""
+    job = workflow["jobs"]["images"]
+    step = next(s for s in job["steps"] if s.get("id") == "base")
+    build = steps_using(job, "docker/build-push-action")[0]["with"]
+    assert build["build-args"].strip() == ("${{ matrix.base_arg }}=${{ steps.base.outputs.name "
+                                           "}}@${{ steps.base.outputs.digest }}")
+    assert "org.opencontainers.image.base.digest=${{ steps.base.outputs.digest }}" in \
+        build["labels"]
+    assert "imagetools inspect" in step["run"] and "sha256:*" in step["run"]
+    read_tag = step["run"].splitlines()[0]  # ref="$(sed ... "$DOCKERFILE")"
+    for entry in job["strategy"]["matrix"]["include"]:
+        env = {"DOCKERFILE": entry["dockerfile"], "BASE_ARG": entry["base_arg"]}
+        out = subprocess.run(["bash", "-c", f'{read_tag}\necho "$ref"'], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        ref = out.strip()
+        assert ref and "@" not in ref and ":" in ref, (entry, ref)  # an official tag
+        assert f"FROM ${{{entry['base_arg']}}}" in (ROOT / entry["dockerfile"]).read_text()
+
+
 def test_the_chart_job_pins_by_digest_and_pushes_an_oci_chart(workflow):
     job = workflow["jobs"]["chart"]
     runs = "\n".join(s.get("run", "") for s in job["steps"])
