@@ -149,8 +149,66 @@ class ExtProcClient:
         threading.Thread(target=lambda: [answers.put(a) for a in stream], daemon=True).start()
         return outbox, answers
 
+    def stream(self) -> Stream:
+        """A stream the caller drives message by message (`Stream`)."""
+        return Stream(self.stub)
+
     def close(self) -> None:
         self.channel.close()
+
+
+class Stream:
+    """One ext_proc stream driven as Envoy drives it: `send` messages without waiting,
+    `get` answers as they come, `end` half-closes it and waits until the picker has ended
+    it too (so closing the channel after it cancels nothing)."""
+
+    _END = object()
+
+    def __init__(self, stub: pb_grpc.ExternalProcessorStub) -> None:
+        import queue
+
+        self.outbox: queue.Queue = queue.Queue()
+        self.answers: queue.Queue = queue.Queue()
+
+        def gen():
+            while (item := self.outbox.get()) is not None:
+                yield item
+
+        def read():
+            try:
+                for answer in call:
+                    self.answers.put(answer)
+            except grpc.RpcError as err:
+                self.answers.put(err)
+            self.answers.put(self._END)
+
+        call = stub.Process(gen(), timeout=30)
+        threading.Thread(target=read, daemon=True).start()
+
+    def send(self, *requests: pb.ProcessingRequest) -> None:
+        for r in requests:
+            self.outbox.put(r)
+
+    def get(self, timeout: float = 10.0) -> pb.ProcessingResponse:
+        answer = self.answers.get(timeout=timeout)
+        assert isinstance(answer, pb.ProcessingResponse), answer
+        return answer
+
+    def silent(self, wait_s: float = 0.3) -> bool:
+        """No answer came within `wait_s` (a bounded look, not a wait for an event)."""
+        import queue
+
+        try:
+            self.answers.get(timeout=wait_s)
+        except queue.Empty:
+            return True
+        return False
+
+    def end(self) -> None:
+        """Half-close; every answer left unread is dropped; the picker's end awaited."""
+        self.outbox.put(None)
+        while (item := self.answers.get(timeout=10)) is not self._END:
+            assert not isinstance(item, grpc.RpcError), item
 
 
 def wait_for(predicate, timeout: float = 10.0) -> None:

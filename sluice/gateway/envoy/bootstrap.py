@@ -38,6 +38,7 @@ from sluice.gateway.envoy.listener import (
     DEST_HEADER,
     ENGINE_CLUSTER,
     LB_NAMESPACE,
+    MAX_REQUEST_BYTES,
     PICKER_CLUSTER,
     PICKER_MODE,
     SERVED_KEY,
@@ -68,7 +69,7 @@ class EnvoyConfig:
     # the endpoints the picker may name. Excludes `endpoints`.
     eds: bool = False
     route_prefixes: tuple[str, ...] = ("/v1/",)  # other paths: 404 from Envoy
-    max_request_bytes: int = 16 << 20
+    max_request_bytes: int = MAX_REQUEST_BYTES
     max_request_headers_kb: int = 64
     connection_buffer_bytes: int = 1 << 20
     connect_timeout_s: float = 2.0

@@ -26,6 +26,9 @@ ATTR_METHOD, ATTR_PATH = "request.method", "request.url_path"
 ATTR_AUTHORIZATION = "request.headers['authorization']"  # (absent: no such header)
 REQUEST_NAMESPACE = "sluice.request"
 PICKER_CLUSTER = "sluice_picker"
+# The largest request body: Envoy answers 413 beyond it (body_size_limit), and so does the
+# picker for a body a Gateway streams to it (server/streamed.py).
+MAX_REQUEST_BYTES = 16 << 20
 HOLD_HEADERS = "sluice.hold_headers"
 ENGINE_CLUSTER = "sluice_engines"
 T = "type.googleapis.com/envoy.extensions."

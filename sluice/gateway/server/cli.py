@@ -29,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pools with prefill pods: a prompt of at least this many tokens not "
                         "cached on the chosen decode pod is prefilled on a prefill pod "
                         "(x-prefiller-host-port); shorter ones on the decode pod (0: never)")
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help="the largest request body a Gateway may stream to the picker "
+                        "(FULL_DUPLEX_STREAMED); 413 beyond")
     p.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY"),
                    help="a client key (Authorization: Bearer KEY), named 'default'; also "
                         "$SLUICE_API_KEY. With no key at all the gateway is open")
@@ -77,7 +80,8 @@ async def _serve(args: argparse.Namespace) -> None:
     default_tokenizer(core)
     limits = Limits(args.rate_limit_rpm, args.rate_limit_tpm)
     server = PickerServer(core, PickerConfig(args.max_fallbacks, args.shed_waiting, limits,
-                                             PDConfig(args.pd_threshold_tokens)),
+                                             PDConfig(args.pd_threshold_tokens),
+                                             args.max_body_bytes),
                           args.host, args.grpc_port, args.metrics_port,
                           ApiKeys(args.api_key, args.api_keys_dir))
     await server.start()

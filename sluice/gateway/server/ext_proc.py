@@ -21,6 +21,11 @@ headers, then its whole body (BUFFERED), then the response's headers:
 - the stream ends when Envoy is done with the HTTP request (answered, reset,
   client gone): the request's in-flight accounting ends there.
 
+A GIE-conformant Gateway (Envoy Gateway, kgateway, Istio) streams the bodies
+(FULL_DUPLEX_STREAMED, `streamed.py`): the request headers are answered once the whole
+body has come and the picker has decided, with the routing answer, then the body goes
+back in chunks; each response body chunk goes back as it came.
+
 Sluice's own Envoy sends completions body first (`listener.BODY_FIRST_MODE`): no
 request-headers message, one exchange fewer on the request path. The body message
 then carries the request line as attributes; the same checks run on it, and the
@@ -43,6 +48,7 @@ from sluice.gateway.load.inflight import Attempt
 from sluice.gateway.routing.pd import NO_ROLES
 from sluice.gateway.routing.router import Decision
 from sluice.gateway.server import messages as msg
+from sluice.gateway.server import streamed
 from sluice.gateway.server.api_keys import ApiKeys
 from sluice.gateway.server.picker import ROUTES, EndpointPicker, Pick
 
@@ -50,11 +56,14 @@ from sluice.gateway.server.picker import ROUTES, EndpointPicker, Pick
 class _Exchange:
     """What one HTTP request's stream has learnt so far."""
 
-    __slots__ = ("attempt", "decision", "key_name", "kind", "pd_outcome", "prefill_attempt",
-                 "subset")
+    __slots__ = ("attempt", "body", "decision", "key_name", "kind", "pd_outcome",
+                 "prefill_attempt", "streamed_response", "subset")
 
     def __init__(self) -> None:
         self.kind: str | None = None
+        # A streamed request body being gathered (None: buffered, or not a completion)
+        self.body: streamed.BodyBuffer | None = None
+        self.streamed_response = False  # response body chunks must be given back
         self.key_name: str | None = None  # the client's API key, by name
         self.subset: frozenset[str] | None = None  # the data plane's subset hint
         self.decision: Decision | None = None
@@ -79,22 +88,40 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                       context) -> AsyncIterator[pb.ProcessingResponse]:
         ex = _Exchange()
         first = True
+        streamed_request = False
         try:
             async for req in request_iterator:
+                if first:
+                    streamed_request, ex.streamed_response = streamed.modes(req)
                 phase = req.WhichOneof("request")
                 if phase == "request_headers":
-                    yield self._request_headers(ex, req)
+                    answer = self._request_headers(ex, req, streamed_request)
+                    if answer is not None:  # (streamed: answered with the body's end)
+                        yield answer
                 elif phase == "request_body":
-                    if req.request_body.end_of_stream:
+                    body = req.request_body
+                    if ex.body is not None:
+                        for answer in await self._streamed_body(ex, req):
+                            yield answer
+                    elif body.end_of_stream:
                         yield await (self._body_first(ex, req) if first else
                                      self._request_body(ex, req))
-                    else:  # (streamed bodies are not configured; refuse rather than guess)
+                    else:  # (STREAMED without full duplex is not configured: refuse)
                         yield msg.immediate_error(400, "the request body must be buffered")
                 elif phase == "response_headers":
                     yield self._response_headers(ex, req)
                 elif phase == "response_body":
-                    yield msg.RESPONSE_BODY_CONTINUE
+                    if ex.streamed_response:
+                        for answer in streamed.body_chunks(
+                                req.response_body.body, req.response_body.end_of_stream,
+                                response=True):
+                            yield answer
+                    else:
+                        yield msg.RESPONSE_BODY_CONTINUE
                 elif phase == "request_trailers":
+                    if ex.body is not None:  # (trailers end a streamed body)
+                        for answer in await self._streamed_body(ex, req):
+                            yield answer
                     yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
                 elif phase == "response_trailers":
                     yield msg.RESPONSE_TRAILERS_CONTINUE
@@ -105,12 +132,18 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             if ex.prefill_attempt is not None:
                 ex.prefill_attempt.done()
 
-    def _request_headers(self, ex: _Exchange, req: pb.ProcessingRequest) -> pb.ProcessingResponse:
+    def _request_headers(self, ex: _Exchange, req: pb.ProcessingRequest,
+                         streamed_request: bool = False) -> pb.ProcessingResponse | None:
+        """The answer to the request headers; None for a streamed completion, whose
+        headers are answered when its body has come (`_streamed_body`)."""
         method, path, authorization = msg.request_line(req.request_headers)
         answer = self._request_line(ex, req, method, path, authorization,
                                     req.request_headers.end_of_stream)
         if answer is not None:
             return answer
+        if streamed_request:
+            ex.body = streamed.BodyBuffer(self.picker.cfg.max_body_bytes)
+            return None
         # A gateway key stays here (the engines never see it); an open gateway passes
         # the header on, for engines that check their own key (vLLM's --api-key).
         if ex.key_name is None:
@@ -169,8 +202,52 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                             ) -> pb.ProcessingResponse:
         if ex.kind is None:  # a body on a request already answered
             return msg.REQUEST_BODY_CONTINUE
+        result = await self._pick(ex, req, req.request_body.body)
+        if not isinstance(result, Pick):
+            return result
+        return msg.route_to(result.endpoints, after_body=True,
+                            engine_auth=self.picker.core.http.authorization,
+                            prefiller=result.prefiller)
+
+    async def _streamed_body(self, ex: _Exchange, req: pb.ProcessingRequest
+                             ) -> list[pb.ProcessingResponse]:
+        """A chunk of a streamed body (or the trailers that end it): nothing until the
+        body is whole or too large; then the answers to the headers and the body."""
+        assert ex.body is not None
+        done = req.HasField("request_trailers")
+        if not done:
+            if not ex.body.add(req.request_body.body):
+                ex.body = None
+                self.picker.core.metrics.errors.labels("too_large").inc()
+                return [msg.immediate_error(
+                    413, f"request body is larger than {self.picker.cfg.max_body_bytes} "
+                         "bytes")]
+            done = req.request_body.end_of_stream
+        if not done:
+            return []
+        body, ex.body = ex.body.take(), None
+        if not body:
+            return [msg.immediate_error(400, "request body is empty")]
+        result = await self._pick(ex, req, body)
+        if not isinstance(result, Pick):
+            return [result]
+        headers = streamed.route_headers(
+            msg.route_to(result.endpoints, after_body=False,
+                         engine_auth=self.picker.core.http.authorization,
+                         prefiller=result.prefiller),
+            remove=msg.PICKER_HEADERS if ex.key_name is None
+            else (*msg.PICKER_HEADERS, "authorization"),
+            key_name=ex.key_name)
+        # (trailers follow the body: its last chunk does not end the stream)
+        return [headers, *streamed.body_chunks(body, not req.HasField("request_trailers"))]
+
+    async def _pick(self, ex: _Exchange, req: pb.ProcessingRequest, body: bytes
+                    ) -> Pick | pb.ProcessingResponse:
+        """The picker's decision on the whole `body` (its in-flight accounting started), or
+        the immediate answer that refuses the request."""
+        assert ex.kind is not None
         subset = msg.subset_hint(req)  # (on every message, or on the headers' only)
-        result = await self.picker.pick(ex.kind, req.request_body.body,
+        result = await self.picker.pick(ex.kind, body,
                                         ex.subset if subset is None else subset, ex.key_name)
         if not isinstance(result, Pick):
             return msg.immediate_error(result.status, result.message, result.param,
@@ -181,13 +258,17 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             ex.prefill_attempt = self.picker.start(result.prefill)
         if result.pd_outcome != NO_ROLES:
             ex.pd_outcome = result.pd_outcome
-        return msg.route_to(result.endpoints, after_body=True,
-                            engine_auth=self.picker.core.http.authorization,
-                            prefiller=result.prefiller)
+        return result
 
     def _response_headers(self, ex: _Exchange, req: pb.ProcessingRequest
                           ) -> pb.ProcessingResponse:
         if ex.decision is None or ex.attempt is None:
+            return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+        if msg.LB_NAMESPACE not in req.metadata_context.filter_metadata:
+            # The data plane forwards no `envoy.lb` metadata (a Gateway configured without
+            # it), so it cannot say who served: no verdict on any pod, and no headers that
+            # would claim one. (Ours always forwards it, holding at least the destination.)
+            ex.attempt.prefilled()
             return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
         served = msg.metadata_string(req, msg.LB_NAMESPACE, msg.SERVED)
         ex.attempt = self.picker.served(ex.attempt, served)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from sluice.gateway.core import RoutingCore
 from sluice.gateway.discovery.pod_client import POD_ERRORS
+from sluice.gateway.envoy.listener import MAX_REQUEST_BYTES
 from sluice.gateway.load.inflight import Attempt
 from sluice.gateway.routing import pd
 from sluice.gateway.routing.router import Decision
@@ -50,9 +51,12 @@ class PickerConfig:
     shed_waiting: int = 1024  # every pod this deep in waiting requests: 429
     limits: Limits = field(default_factory=Limits)  # per API key, per minute (rate_limit.py)
     disagg: pd.PDConfig = field(default_factory=pd.PDConfig)  # prefill/decode pools only
+    # A body a Gateway streams (FULL_DUPLEX_STREAMED) is gathered up to this: 413 beyond.
+    # (A buffered body is bounded by our Envoy, with the same default.)
+    max_body_bytes: int = MAX_REQUEST_BYTES
 
     def __post_init__(self) -> None:
-        assert self.max_fallbacks >= 0 and self.shed_waiting >= 1
+        assert self.max_fallbacks >= 0 and self.shed_waiting >= 1 and self.max_body_bytes > 0
 
 
 @dataclass(frozen=True)
