@@ -63,6 +63,7 @@ def fake_engine(mode, state):
         body = await request.json()
         state["calls"] = state.get("calls", 0) + 1
         state["headers"] = dict(request.headers)  # (the last request's)
+        state["body"] = body
         if mode == "error500" or mode == "poisoned" and body.get("prompt") == "poison":
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
         if mode == "busy429":
