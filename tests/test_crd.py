@@ -109,6 +109,7 @@ NEGATIVE = [
     ("spec.podDisruptionBudget", {"maxUnavailable": 1, "minAvailable": 1},
      "set maxUnavailable or minAvailable, not both"),
     ("spec.autoscaling", {"enabled": True}, "a prefill/decode pool autoscales per role"),
+    ("spec.engine", {"kind": "vllm"}, "prefill/decode roles need engine kind sluice"),
 ]
 
 # What each failing case above needs besides its own change, so that only its rule fails.
@@ -116,6 +117,7 @@ _CONTEXT = {
     "engine.kvCacheMemory is only for kind sluice": {"source": {"image": {"path": "/m"}}},
     "engine.speculative early_exit is only for kind sluice": {"source": {"image": {"path": "/m"}}},
     "a prefill/decode pool autoscales per role": "roles",
+    "prefill/decode roles need engine kind sluice": "roles",
 }
 
 
@@ -125,6 +127,7 @@ def _negative(path, value, message) -> dict:
     if context == "roles":
         del body["spec"]["replicas"]
         body["spec"]["roles"] = {"prefill": {}, "decode": {}}
+        body["spec"]["model"]["source"] = {"image": {"path": "/m"}}
     elif context:
         body["spec"]["model"].update(context)
     return body

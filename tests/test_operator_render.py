@@ -145,12 +145,6 @@ def test_prefill_engines_produce_kv_and_decode_engines_consume_it():
         assert any(e["name"] == "POD_IP" for e in c["env"])  # what $(POD_IP) expands from
     plain = _by_kind(render_pool(PoolSpec.from_body(_example("pool-cpu.yaml"))))
     assert "--kv-transfer-config" not in _container(plain["Deployment"][0])["args"]
-    vllm_body = _example("pool-disaggregated.yaml")
-    vllm_body["spec"]["engine"] = {"kind": "vllm"}
-    for dep in _by_kind(render_pool(PoolSpec.from_body(vllm_body)))["Deployment"]:
-        args = _container(dep)["args"]
-        assert json.loads(args[args.index("--kv-transfer-config") + 1]) == {
-            "kv_connector": "NixlConnector", "kv_role": "kv_both"}
 
 
 @pytest.mark.parametrize("speculative", [
@@ -193,6 +187,10 @@ def test_rendering_is_pure_and_hash_tracks_changes():
 @pytest.mark.parametrize("mutate,message", [
     (lambda s: s.pop("replicas"), "exactly one of spec.replicas"),
     (lambda s: s["engine"].update(kind="vllm"), "needs spec.model.source"),
+    (lambda s: [s.pop("replicas"), s.update(roles={"prefill": {}, "decode": {}}),
+                s["engine"].update(kind="vllm"),
+                s["model"].update(source={"image": {"path": "/m"}})],
+     "routing sidecar on its decode pods"),
     (lambda s: s.update(autoscaling={"minReplicas": 3, "maxReplicas": 2}), "minReplicas"),
     (lambda s: s["engine"].update(speculative={"method": "draft_model",
                                                "numSpeculativeTokens": 2}), "model is required"),

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from sluice.operator.spec import VLLM_ROLES
+
 Schema = dict[str, Any]
 
 ENGINE_KINDS = ("sluice", "vllm")
@@ -294,6 +296,8 @@ def spec_schema() -> Schema:
                 "(prefill/decode pool)"),
             cel("has(self.model.source) || self.engine.kind == 'sluice'",
                 "engine kind vllm needs spec.model.source"),
+            # vLLM reads the prefill engine from llm-d's sidecar, not from our picker's header
+            cel("!has(self.roles) || self.engine.kind == 'sluice'", VLLM_ROLES),
             cel("!has(self.roles) || !has(self.autoscaling) || !self.autoscaling.enabled",
                 "a prefill/decode pool autoscales per role (spec.roles.<role>.autoscaling), "
                 "not with spec.autoscaling"),

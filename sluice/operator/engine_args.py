@@ -102,12 +102,11 @@ def kv_transfer_config(pool: PoolSpec, role: str, curve_dir: str | None = None) 
     pools that serve whole requests. Sluice engines: prefill engines produce (serve their
     blocks on KV_TRANSFER_PORT, advertised at the pod IP), decode engines consume (pull
     them when a request names a prefill engine: the picker's `x-prefiller-host-port`);
-    `curve_dir`: the transfer sockets' CURVE keys there. vLLM pools use NIXL in both
-    directions, as llm-d renders them (no CURVE: `curve_dir` is ignored)."""
+    `curve_dir`: the transfer sockets' CURVE keys there. (Only Sluice engines take roles:
+    spec.VLLM_ROLES.)"""
     if not pool.disaggregated or role not in (PREFILL, DECODE):
         return None
-    if pool.engine.kind == "vllm":
-        return {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    assert pool.engine.kind == "sluice", "roles are for Sluice engines (spec.from_body)"
     return {"kv_connector": "SluiceConnector",
             "kv_role": "kv_producer" if role == PREFILL else "kv_consumer",
             "kv_ip": "0.0.0.0", "kv_port": KV_TRANSFER_PORT,

@@ -169,8 +169,7 @@ def _kv_transfer_curve(pool: PoolSpec, role: str, config: RenderConfig
     decode engine cannot serve blocks and a prefill engine cannot pull them. Without the
     Secret in the namespace the pod waits for it rather than serve blocks in the clear."""
     files = KV_TRANSFER_CURVE_FILES.get(role)
-    if (not config.kv_transfer_curve_secret or pool.engine.kind == "vllm"
-            or not pool.disaggregated or files is None):
+    if not config.kv_transfer_curve_secret or not pool.disaggregated or files is None:
         return [], [], None
     volume = {"name": "kv-transfer-curve", "secret": {
         "secretName": config.kv_transfer_curve_secret, "defaultMode": 0o400,
@@ -202,7 +201,7 @@ def _container_security(pool: PoolSpec) -> dict[str, Any]:
 
 
 def _ports(pool: PoolSpec) -> tuple[tuple[str, int], ...]:
-    if pool.disaggregated and pool.engine.kind != "vllm":
+    if pool.disaggregated:
         return (*labels.PORTS, ("kv-transfer", labels.KV_TRANSFER_PORT))
     return labels.PORTS
 

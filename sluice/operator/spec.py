@@ -15,6 +15,11 @@ from typing import Any
 SERVE, PREFILL, DECODE = "serve", "prefill", "decode"
 
 
+# (also the CRD's rule; a pool stored before it gets this as its Degraded message)
+VLLM_ROLES = ("prefill/decode roles need engine kind sluice: a vllm pool would need llm-d's "
+              "routing sidecar on its decode pods, which Sluice does not run")
+
+
 class SpecError(ValueError):
     """The spec cannot be rendered; the message is shown in the Degraded condition."""
 
@@ -161,6 +166,8 @@ class PoolSpec:
         roles_spec = spec.get("roles")
         if (spec.get("replicas") is None) == (roles_spec is None):
             raise SpecError("set exactly one of spec.replicas or spec.roles")
+        if roles_spec is not None and engine.kind != "sluice":
+            raise SpecError(VLLM_ROLES)
         pool_resources = _resources(spec.get("resources"))
         if roles_spec is None:
             roles = (RoleSpec(SERVE, int(spec["replicas"]), pool_resources,
