@@ -60,7 +60,9 @@ gie_flags=()
 if [[ -n "$GIE_CRDS" ]]; then
   log "installing GIE's CRDs ($GIE_CRDS)"
   kubectl apply -f "$GIE_CRDS"
-  gie_flags=(--set gie.enabled=true)
+  # the Gateway's data plane here is the chart's own Envoy, in the release namespace
+  gie_flags=(--set gie.enabled=true --set
+    "networkPolicy.gatewayFrom[0].namespaceSelector.matchLabels.kubernetes\.io/metadata\.name=$NS")
 fi
 
 log "installing the chart"

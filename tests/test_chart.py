@@ -13,7 +13,12 @@ from kube_chart import CHART, CHART_CRDS, helm, install_crds, render, server_err
 from sluice import labels
 
 VERSIONS = ("1.30", "1.37")
-GIE = ["gie.enabled=true", "gie.failureMode=FailOpen"]
+# the Gateway's data plane in a namespace of its own; FailOpen, which needs keyless engines
+GATEWAY_NS = "envoy-gateway-system"
+GATEWAY_FROM = ("networkPolicy.gatewayFrom[0].namespaceSelector.matchLabels."
+                f"kubernetes\\.io/metadata\\.name={GATEWAY_NS}")
+GIE = ["gie.enabled=true", "gie.failureMode=FailOpen", "engineApiKey.enabled=false",
+       GATEWAY_FROM]
 
 NON_DEFAULT = [
     "watchNamespaces={team-a}", "operator.replicas=1",
@@ -32,7 +37,7 @@ NON_DEFAULT = [
 ]
 
 
-__all__ = ["CHART", "GIE", "NON_DEFAULT", "VERSIONS", "_validate", "helm", "render"]
+__all__ = ["CHART", "GATEWAY_FROM", "GIE", "NON_DEFAULT", "VERSIONS", "_validate", "helm", "render"]
 VALUES = {"default": [], "persistence": ["redis.persistence.enabled=true"],
           "custom": NON_DEFAULT, "gie": GIE}
 
@@ -327,11 +332,14 @@ def test_network_policies_keep_engines_redis_and_picker_private(default, gie):
     assert components(ext_proc) == {"gateway"} and ext_proc["ports"][0]["port"] == 9002
     gie_picker = next(d["spec"] for d in gie if d["kind"] == "NetworkPolicy"
                       and d["metadata"]["name"].endswith("-picker"))
-    assert "from" not in gie_picker["ingress"][0]  # any Gateway's data plane, in GIE mode
+    gateway = [{"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": GATEWAY_NS}}}]
+    assert gie_picker["ingress"][0] == {"from": gateway,  # the Gateway's data plane only
+                                        "ports": [{"port": 9002, "protocol": "TCP"}]}
     gie_engines = next(d["spec"] for d in gie if d["kind"] == "NetworkPolicy"
                        and d["metadata"]["name"].endswith("-engines"))
-    open_http = gie_engines["ingress"][-1]  # which connects to the engines directly
-    assert "from" not in open_http and open_http["ports"] == [{"port": 8000, "protocol": "TCP"}]
+    direct = gie_engines["ingress"][-1]  # which connects to the engines directly
+    assert direct == {"from": gateway, "ports": [{"port": 8000, "protocol": "TCP"}]}
 
 
 def test_engines_get_a_key_only_the_picker_holds(default):

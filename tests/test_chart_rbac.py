@@ -35,7 +35,7 @@ from kube_chart import (
     unique_release,
     username,
 )
-from test_chart import VERSIONS, _validate
+from test_chart import GATEWAY_FROM, VERSIONS, _validate
 
 from sluice import labels
 from sluice.operator import kube
@@ -241,7 +241,7 @@ def test_the_picker_may_read_what_its_discovery_reads_and_nothing_else(plane, ku
         # GIE mode serves pools in the release namespace only (the picker's Service is there)
         pools, elsewhere = (kube_ns, other) if shape == "gie" else (other, kube_ns)
         watch = "{*}" if shape == "cluster-wide" else f"{{{pools}}}"
-        manifests = render(f"watchNamespaces={watch}", *(["gie.enabled=true"]
+        manifests = render(f"watchNamespaces={watch}", *(["gie.enabled=true", GATEWAY_FROM]
                                                          if shape == "gie" else []),
                            release=unique_release(), namespace=kube_ns)
         with installed(plane, pick(manifests, RBAC_KINDS)):

@@ -29,6 +29,7 @@ from kube_chart import (
     unique_release,
     username,
 )
+from test_chart import GATEWAY_FROM
 
 from sluice import labels
 from sluice.operator import kube, render_gie
@@ -73,7 +74,7 @@ async def _condition(view: View, type_: str, field: str = "status") -> str | Non
 def test_gie_pool_is_created_repaired_and_garbage_collected(gie_crd, kube_ns):
     plane, ns = gie_crd, kube_ns
     # the chart in GIE mode, released into the pools' namespace (its default: that one only)
-    manifests = render("gie.enabled=true", release=unique_release(), namespace=ns)
+    manifests = render("gie.enabled=true", GATEWAY_FROM, release=unique_release(), namespace=ns)
     picker = service_account(manifests, "-picker")[1]
     config = operator_config(manifests)
     assert config["gie"] == GieConfig(picker, failure_mode="FailClose", namespace=ns)

@@ -263,7 +263,9 @@ def uninstall(c: Cluster) -> None:
 def gie_mode(c: Cluster) -> None:
     c.kubectl("apply", "--server-side", "-f",
               str(ROOT / "tests/crds/gie/inference.networking.k8s.io_inferencepools.yaml"))
-    install(c, {"gie.enabled": "true"})
+    # the Gateway's data plane here is the chart's own Envoy, in the release namespace
+    install(c, {"gie.enabled": "true", "networkPolicy.gatewayFrom[0].namespaceSelector."
+                "matchLabels.kubernetes\\.io/metadata\\.name": NS})
     apply_pool(c)
     gie = c.json("inferencepools.inference.networking.k8s.io", "-n", NS, POOL)
     picker = gie["spec"]["endpointPickerRef"]

@@ -127,6 +127,12 @@ release namespace. */}}
 {{- if not (or (has .Release.Namespace $ns) (has "*" $ns)) }}
 {{- fail "gie.enabled needs the release namespace among watchNamespaces: an InferencePool's endpointPickerRef names a Service in its own namespace" }}
 {{- end }}
+{{- if and .Values.networkPolicy.enabled (not .Values.networkPolicy.gatewayFrom) }}
+{{- fail "gie.enabled needs networkPolicy.gatewayFrom (the Gateway's data-plane pods, e.g. a namespaceSelector): without it the picker's port 9002 and the engines' port 8000 would be open to every pod" }}
+{{- end }}
+{{- if and (eq .Values.gie.failureMode "FailOpen") .Values.engineApiKey.enabled }}
+{{- fail "gie.failureMode=FailOpen needs engineApiKey.enabled=false: a Gateway that fails open sends requests to the engines without the key the picker adds, and every one of them gets 401" }}
+{{- end }}
 {{- end }}
 {{- end -}}
 
