@@ -219,6 +219,12 @@ def test_request_trailers_end_the_body(pool):
     assert streamed_chunk(s.get(), "request_body") == (SMALL, False)  # trailers end it
     assert s.get().HasField("request_trailers")
     s.end()
+    s = client.stream()  # refused at the trailers: the immediate answer alone
+    s.send(start(), chunk(b'{"model": "m"'), pb.ProcessingRequest(
+        request_trailers=pb.HttpTrailers()))
+    assert immediate(s.get())[0] == 400
+    assert s.silent()
+    s.end()
 
 
 def test_a_gateway_that_reports_no_served_endpoint_gets_no_verdict(pool):

@@ -119,10 +119,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     else:
                         yield msg.RESPONSE_BODY_CONTINUE
                 elif phase == "request_trailers":
-                    if ex.body is not None:  # (trailers end a streamed body)
-                        for answer in await self._streamed_body(ex, req):
-                            yield answer
-                    yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+                    answers = [] if ex.body is None else await self._streamed_body(ex, req)
+                    for answer in answers:  # (trailers end a streamed body)
+                        yield answer
+                    if not answers or not answers[0].HasField("immediate_response"):
+                        yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
                 elif phase == "response_trailers":
                     yield msg.RESPONSE_TRAILERS_CONTINUE
                 first = False
