@@ -2,6 +2,8 @@
 
     python -m sluice.bench.serve_overhead [--rate 200] [--requests 2000] [--rounds 4]
         [--paths direct,envoy,envoy_stub,envoy_picker_rr,envoy_picker] [--phases]
+        (streamed bodies, as GIE Gateways send them: --paths direct,envoy_picker_rr,
+        envoy_picker_rr_streamed,envoy_picker,envoy_picker_streamed)
 
 Starts an instant OpenAI-shaped upstream (answers every completion at once,
 so only the HTTP path is measured), a redis-server and every path's processes,
@@ -15,7 +17,10 @@ prompt each, so no tokenization is reused) along each path, in one run:
 - `envoy_picker_rr`: Envoy + `sluice epp --routing round_robin`: + parsing the body,
   in-flight accounting and the response's headers;
 - `envoy_picker`: Envoy + `sluice epp` (`--routing`, kv_aware by default): +
-  tokenization, index lookup and scoring.
+  tokenization, index lookup and scoring;
+- `envoy_picker_rr_streamed`, `envoy_picker_streamed`: the same two pickers behind Envoy's
+  ext_proc configured as GIE Gateways configure it (`_as_gateway`: FULL_DUPLEX_STREAMED
+  bodies, no mode override, no buffering), against ours (buffered, completions body first).
 
 The stream is cut into `--rounds` parts; in each round every path takes its turn
 with the next part (in reverse order every other round), so a machine whose speed
@@ -134,7 +139,9 @@ def _start_path(name: str, up_port: int, redis_url: str, routing: str, extra: li
                                        f"127.0.0.1:{up_port}"]))
         pid = procs[-1].pid
     else:
-        picker_routing = "round_robin" if name == "envoy_picker_rr" else routing
+        if name.endswith("_streamed"):
+            _as_gateway(bootstrap)
+        picker_routing = "round_robin" if name.startswith("envoy_picker_rr") else routing
         procs.append(subprocess.Popen([sys.executable, "-m", "sluice.cli", "epp", "--host",
                                        "127.0.0.1", "--grpc-port", str(grpc_port),
                                        "--metrics-port", str(metrics_port), "--routing",
@@ -148,6 +155,29 @@ def _start_path(name: str, up_port: int, redis_url: str, routing: str, extra: li
     url = f"http://127.0.0.1:{envoy.listen_port}"
     _wait_routed(url)
     return _Path(url, pid, metrics, envoy)
+
+
+def _as_gateway(bootstrap: dict) -> None:
+    """Our bootstrap's ext_proc as Istio and kgateway configure it for an InferencePool
+    (tests/gie_gateway.py cites their sources): every body streamed both ways, trailers
+    sent, no mode override, and no buffer, Lua or body-first route of ours around it."""
+    from sluice.gateway.envoy.listener import HOLD_HEADERS
+
+    hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    filters = hcm["typed_config"]["http_filters"]
+    filters[:] = [f for f in filters if f["name"] not in (
+        "envoy.filters.http.buffer", HOLD_HEADERS, "envoy.filters.http.lua")]
+    ext_proc = next(f for f in filters if f["name"] == "envoy.filters.http.ext_proc")
+    cfg = ext_proc["typed_config"]
+    cfg["processing_mode"] = {"request_header_mode": "SEND",
+                              "request_body_mode": "FULL_DUPLEX_STREAMED",
+                              "request_trailer_mode": "SEND", "response_header_mode": "SEND",
+                              "response_body_mode": "FULL_DUPLEX_STREAMED",
+                              "response_trailer_mode": "SEND"}
+    for key in ("allow_mode_override", "allowed_override_modes", "request_attributes"):
+        cfg.pop(key, None)
+    vhost = hcm["typed_config"]["route_config"]["virtual_hosts"][0]
+    vhost["routes"] = [r for r in vhost["routes"] if "path" not in r["match"]]
 
 
 def _wait_routed(url: str, timeout: float = 60) -> None:
@@ -164,7 +194,8 @@ def _wait_routed(url: str, timeout: float = 60) -> None:
     raise TimeoutError(url)
 
 
-PATHS = ("direct", "envoy", "envoy_stub", "envoy_picker_rr", "envoy_picker")
+PATHS = ("direct", "envoy", "envoy_stub", "envoy_picker_rr", "envoy_picker",
+         "envoy_picker_rr_streamed", "envoy_picker_streamed")
 
 
 def main() -> int:
@@ -172,7 +203,7 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=200.0)
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--routing", default="kv_aware")
-    p.add_argument("--paths", default=",".join(PATHS))
+    p.add_argument("--paths", default=",".join(PATHS[:5]))
     p.add_argument("--rounds", type=int, default=4,
                    help="turns each path takes, interleaved with the others' (see above)")
     p.add_argument("--gateway-arg", action="append", default=[],
