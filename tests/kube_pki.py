@@ -14,8 +14,16 @@ def _openssl(*args: str, cwd: pathlib.Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 
 
-def _signed(folder: pathlib.Path, name: str, subject: str, ext: str | None = None) -> None:
-    """`name`.key and `name`.crt, signed by the folder's CA."""
+def make_ca(folder: pathlib.Path, name: str = "sluice-test-ca") -> None:
+    """ca.key and ca.crt in `folder` (made if missing)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key",
+             "-out", "ca.crt", "-days", "3", "-subj", f"/CN={name}", cwd=folder)
+
+
+def signed(folder: pathlib.Path, name: str, subject: str, ext: str | None = None) -> None:
+    """`name`.key and `name`.crt, signed by the folder's CA (`ext`: an openssl extension
+    line, e.g. subjectAltName=DNS:x)."""
     _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key",
              "-out", f"{name}.csr", "-subj", subject, cwd=folder)
     extra = []
@@ -31,14 +39,12 @@ def make_pki(folder: pathlib.Path, address: str = "127.0.0.1",
     """A CA; the API server's serving certificate (its address, loopback, the first
     Service IP and the in-cluster names); its client certificate for kubelets (logs,
     exec, port-forward); the ServiceAccount signing key pair."""
-    folder.mkdir(parents=True, exist_ok=True)
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key",
-             "-out", "ca.crt", "-days", "3", "-subj", "/CN=sluice-test-ca", cwd=folder)
+    make_ca(folder)
     first_service_ip = next(ipaddress.ip_network(service_cidr).hosts())
     sans = (f"subjectAltName=IP:{address},IP:127.0.0.1,IP:{first_service_ip},"
             "DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,"
             "DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local")
-    _signed(folder, "apiserver", "/CN=kube-apiserver", sans)
-    _signed(folder, "kubelet-client", "/O=system:masters/CN=kube-apiserver-kubelet-client")
+    signed(folder, "apiserver", "/CN=kube-apiserver", sans)
+    signed(folder, "kubelet-client", "/O=system:masters/CN=kube-apiserver-kubelet-client")
     _openssl("genrsa", "-out", "sa.key", "2048", cwd=folder)
     _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=folder)

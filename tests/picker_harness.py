@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Self
+from typing import Any, Self
 
 import grpc
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue, Metadata
@@ -20,16 +20,20 @@ from sluice.gateway.envoy.process import EnvoyProcess
 from sluice.gateway.server.api_keys import ApiKeys
 from sluice.gateway.server.grpc_server import PickerServer
 from sluice.gateway.server.picker import PickerConfig
+from sluice.gateway.server.serving_tls import ServingTls
 
 
 class PickerThread:
     """A `PickerServer` on a free loopback port, on its own event loop in a thread."""
 
     def __init__(self, core: RoutingCore, cfg: PickerConfig = PickerConfig(),
-                 keys: ApiKeys | None = None) -> None:
+                 keys: ApiKeys | None = None, tls: ServingTls | None = None,
+                 health_port: int = 0) -> None:
         self.core = core
         self.cfg = cfg
         self.keys = keys
+        self.tls = tls
+        self.health_port = health_port
         self.loop = asyncio.new_event_loop()
         self.started = threading.Event()
         self.error: BaseException | None = None
@@ -38,7 +42,8 @@ class PickerThread:
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
         try:
-            self.server = PickerServer(self.core, self.cfg, "127.0.0.1", 0, keys=self.keys)
+            self.server = PickerServer(self.core, self.cfg, "127.0.0.1", 0, keys=self.keys,
+                                       tls=self.tls, health_port=self.health_port)
             self.port = self.server.port
             self.loop.run_until_complete(self.server.start())
         except BaseException as err:  # noqa: BLE001 -- reported to the test
@@ -72,15 +77,17 @@ class Front:
     """Envoy on a free port, the picker (in a thread) behind it: `url`, `gw` (the core).
     Envoy learns the engines from the picker (EDS), as the chart's does."""
 
-    def __init__(self, gw: RoutingCore, keys: ApiKeys | None = None) -> None:
+    def __init__(self, gw: RoutingCore, keys: ApiKeys | None = None,
+                 tls: ServingTls | None = None, **envoy: Any) -> None:
         self.gw = gw
-        self.picker = PickerThread(gw, keys=keys)
+        self.picker = PickerThread(gw, keys=keys, tls=tls)
+        self.envoy_fields = envoy  # more EnvoyConfig fields (TLS to the picker)
 
     def __enter__(self) -> Self:
         self.picker.__enter__()
         self.envoy = EnvoyProcess(EnvoyConfig(
             listen_host="127.0.0.1", listen_port=0, admin_port=0, picker_port=self.picker.port,
-            eds=True, route_prefixes=("/v1/", "/health"))).start()
+            eds=True, route_prefixes=("/v1/", "/health"), **self.envoy_fields)).start()
         self.url = f"http://127.0.0.1:{self.envoy.listen_port}"
         return self
 

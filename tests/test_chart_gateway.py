@@ -121,13 +121,52 @@ def test_picker_flags_parse_with_sluice_epp(manifests):
     ports = {p["name"]: p["containerPort"] for p in picker["ports"]}
     assert (parsed.grpc_port, parsed.metrics_port) == (ports["grpc"], ports["metrics"]) == (
         9002, 9090)
-    assert picker["readinessProbe"]["grpc"] == {"port": 9002, "service": "readiness"}
-    assert picker["livenessProbe"]["grpc"] == {"port": 9002, "service": "liveness"}
+    # TLS on 9002 by default (a self-signed certificate: no Secret named); kubelet probes
+    # the plaintext health port
+    assert parsed.secure_serving and parsed.cert_path is None
+    assert parsed.grpc_health_port == ports["health"] == 9003
+    assert picker["readinessProbe"]["grpc"] == {"port": 9003, "service": "readiness"}
+    assert picker["livenessProbe"]["grpc"] == {"port": 9003, "service": "liveness"}
     service = _get(manifests, "Service", "rel-sluice-picker")
     grpc = _port(service, 9002)
-    assert (grpc["name"], grpc["targetPort"], grpc["appProtocol"]) == (
-        "grpc", "grpc", "kubernetes.io/h2c")
+    assert (grpc["name"], grpc["targetPort"], grpc["appProtocol"]) == ("grpc", "grpc", "https")
     assert _port(service, 9090)["targetPort"] == "metrics"
+
+
+@pytest.mark.parametrize("values,cert_path,ca", [
+    (["picker.tls.enabled=false"], None, None),
+    (["picker.tls.secretName=mine"], "/etc/sluice/picker-tls", "mine"),
+    (["picker.tls.certManager.enabled=true", "picker.tls.certManager.issuerRef.name=ca"],
+     "/etc/sluice/picker-tls", "rel-sluice-picker-tls"),
+])
+def test_picker_tls_choices_reach_the_picker_and_envoy(values, cert_path, ca):
+    manifests = render(*values)
+    picker = _pod(manifests, "rel-sluice-picker")
+    args = picker["containers"][0]["args"]  # (the full argv parses: the test above)
+    secure = "--secure-serving" in args
+    assert secure == (values != ["picker.tls.enabled=false"])
+    assert [a for a in args if a.startswith("--cert-path")] == (
+        [f"--cert-path={cert_path}"] if cert_path else [])
+    envoy = _pod(manifests, "rel-sluice-gateway")
+    init_args = envoy["initContainers"][0]["args"]
+    assert ("--picker-tls" in init_args) == secure
+    verify = [a for a in init_args if a.startswith("--picker-ca-file=")]
+    assert verify == (["--picker-ca-file=/etc/sluice/picker-ca/ca.crt"] if ca else [])
+    volumes = {v["name"]: v for v in envoy["volumes"]}
+    if ca:  # Envoy gets the CA only, never the picker's key
+        assert volumes["picker-ca"]["secret"] == {"secretName": ca, "items": [
+            {"key": "ca.crt", "path": "ca.crt"}]}
+        assert {v["name"]: v for v in picker["volumes"]}["picker-tls"]["secret"][
+            "secretName"] == ca
+    else:
+        assert "picker-ca" not in volumes
+    certificates = [m for m in manifests if m["kind"] == "Certificate"]
+    if "picker.tls.certManager.enabled=true" in values:
+        (cert,) = certificates
+        assert "rel-sluice-picker-headless.sluice.svc.cluster.local" in cert["spec"]["dnsNames"]
+        assert cert["spec"]["secretName"] == ca
+    else:
+        assert certificates == []
 
 
 def test_gie_mode_points_the_operator_at_the_picker_service():

@@ -159,6 +159,17 @@ true
 {{- end -}}
 
 {{/* The gateway's TLS Secret (envoy.tls), checked: a Secret of yours or cert-manager's. */}}
+{{/* The Secret holding the picker's certificate; empty: self-signed at start. */}}
+{{- define "sluice.pickerTlsSecret" -}}
+{{- $tls := .Values.picker.tls -}}
+{{- if and $tls.enabled $tls.certManager.enabled (not $tls.certManager.issuerRef.name) -}}
+{{- fail "picker.tls.certManager.enabled needs picker.tls.certManager.issuerRef.name" -}}
+{{- end -}}
+{{- if $tls.enabled -}}
+{{- $tls.secretName | default (ternary (printf "%s-picker-tls" (include "sluice.fullname" .)) "" $tls.certManager.enabled) -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "sluice.gatewayTlsSecret" -}}
 {{- $tls := .Values.envoy.tls -}}
 {{- if and $tls.certManager.enabled (not $tls.certManager.issuerRef.name) -}}

@@ -81,6 +81,12 @@ class EnvoyConfig:
     ext_proc_max_message_timeout_s: float = 60.0
     failure_mode_allow: bool = False  # no picker, no routing: never guess an endpoint
     picker_health_check: bool = True
+    # TLS to the picker (`sluice epp --secure-serving`): verified against picker_ca_file when
+    # given; a client certificate (PEM files) where the picker requires one.
+    picker_tls: bool = False
+    picker_ca_file: str = ""
+    picker_client_cert_file: str = ""
+    picker_client_key_file: str = ""
     max_concurrency: int = 100_000  # circuit breakers: LLM streams are long and many
     dns_refresh_s: float = 5.0
     access_log: bool = True
@@ -188,6 +194,10 @@ def _picker_cluster(cfg: EnvoyConfig) -> dict:
         "typed_extension_protocol_options": _http_options(h2=True, idle_s=3600),
         "load_assignment": _load_assignment(PICKER_CLUSTER,
                                             [(cfg.picker_host, cfg.picker_port)])}
+    if cfg.picker_tls:
+        cluster["transport_socket"] = tls.picker_transport_socket(cfg, _is_ip(cfg.picker_host))
+    elif cfg.picker_ca_file or cfg.picker_client_cert_file:
+        raise ValueError("picker_ca_file and a client certificate need picker_tls")
     if cfg.picker_health_check:
         cluster["health_checks"] = [{
             "timeout": "1s", "interval": "5s", "unhealthy_threshold": 2, "healthy_threshold": 1,

@@ -1,4 +1,5 @@
-"""Downstream TLS on Sluice's Envoy listener, its certificate read through file-based SDS.
+"""TLS in Sluice's Envoy: downstream on the listener, its certificate read through file-based
+SDS; upstream to the picker when it serves TLS (`picker_transport_socket`).
 
 Given a certificate chain and a private key (PEM files, in one folder), the listener speaks
 TLS only: 1.2 or later, ALPN h2 and http/1.1 (the HCM's AUTO codec then follows ALPN).
@@ -54,3 +55,27 @@ def sds_resources(cfg: EnvoyConfig) -> dict:
             "certificate_chain": {"filename": cfg.tls_cert_file},
             "private_key": {"filename": cfg.tls_key_file},
             "watched_directory": {"path": posixpath.dirname(cfg.tls_cert_file) or "."}}}]}
+
+
+def picker_transport_socket(cfg: EnvoyConfig, host_is_ip: bool) -> dict:
+    """The picker cluster's TLS (`cfg.picker_tls`): ALPN h2; with `picker_ca_file`, the
+    picker's certificate must chain to that CA and name `picker_host` (else it is encrypted
+    to but not verified: a self-signed picker); with a client pair, mutual TLS."""
+    if bool(cfg.picker_client_cert_file) != bool(cfg.picker_client_key_file):
+        raise ValueError("picker_client_cert_file and picker_client_key_file go together")
+    common: dict = {"alpn_protocols": ["h2"],
+                    "tls_params": {"tls_minimum_protocol_version": "TLSv1_2"}}
+    if cfg.picker_ca_file:
+        common["validation_context"] = {
+            "trusted_ca": {"filename": cfg.picker_ca_file},
+            "match_typed_subject_alt_names": [{
+                "san_type": "IP_ADDRESS" if host_is_ip else "DNS",
+                "matcher": {"exact": cfg.picker_host}}]}
+    if cfg.picker_client_cert_file:
+        common["tls_certificates"] = [{
+            "certificate_chain": {"filename": cfg.picker_client_cert_file},
+            "private_key": {"filename": cfg.picker_client_key_file}}]
+    context: dict = {"@type": _TLS + "UpstreamTlsContext", "common_tls_context": common}
+    if not host_is_ip:
+        context["sni"] = cfg.picker_host
+    return {"name": "envoy.transport_sockets.tls", "typed_config": context}

@@ -20,6 +20,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--grpc-port", type=int, default=9002, help="ext_proc and gRPC health")
     p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus (0: none)")
+    p.add_argument("--grpc-health-port", type=int, default=0,
+                   help="gRPC health alone, plaintext, for kubelet probes (GIE: 9003; 0: none)")
+    p.add_argument("--secure-serving", action=argparse.BooleanOptionalAction, default=False,
+                   help="TLS on --grpc-port (GIE's flag): the pair in --cert-path, else a "
+                        "self-signed certificate made at start")
+    p.add_argument("--cert-path", default=None,
+                   help="folder with tls.crt and tls.key, read again when they change")
+    p.add_argument("--client-ca-file", default=None,
+                   help="mutual TLS: clients must present a certificate this CA signed")
     d = PickerConfig()
     p.add_argument("--max-fallbacks", type=int, default=d.max_fallbacks,
                    help="endpoints named after the chosen one, for the data plane's retries")
@@ -70,6 +79,17 @@ def default_tokenizer(core) -> None:
                 "every model's" if path is None else f"all but {DEFAULT_SERVED_MODEL_NAME}'s")
 
 
+def serving_tls(args: argparse.Namespace):
+    """--secure-serving's ServingTls; None: plaintext (SystemExit: TLS files without it)."""
+    from sluice.gateway.server.serving_tls import ServingTls
+
+    if not args.secure_serving:
+        if args.cert_path or args.client_ca_file:
+            raise SystemExit("--cert-path and --client-ca-file need --secure-serving")
+        return None
+    return ServingTls(args.cert_path, args.client_ca_file)
+
+
 async def _serve(args: argparse.Namespace) -> None:
     from sluice.gateway.core import RoutingCore
     from sluice.gateway.routing.pd import PDConfig
@@ -83,7 +103,8 @@ async def _serve(args: argparse.Namespace) -> None:
                                              PDConfig(args.pd_threshold_tokens),
                                              args.max_body_bytes),
                           args.host, args.grpc_port, args.metrics_port,
-                          ApiKeys(args.api_key, args.api_keys_dir))
+                          ApiKeys(args.api_key, args.api_keys_dir), serving_tls(args),
+                          args.grpc_health_port)
     await server.start()
     gc.freeze()  # start-up's objects out of the collector's reach (p99: docs/benchmarks.md)
     stop = asyncio.Event()

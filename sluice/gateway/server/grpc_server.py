@@ -1,5 +1,5 @@
 """The picker's gRPC server: ext_proc plus gRPC health, as GIE defines them, and EDS for the
-engines cluster of Sluice's own Envoy (`eds.py`).
+engines cluster of Sluice's own Envoy (`eds.py`); plaintext, or TLS (`serving_tls.py`).
 
 Health services (grpc.health.v1): `liveness` serves from the start; `readiness`,
 the overall "" and `envoy.service.ext_proc.v3.ExternalProcessor` serve once the
@@ -24,6 +24,7 @@ from sluice.gateway.server.api_keys import ApiKeys
 from sluice.gateway.server.eds import EndpointDiscovery
 from sluice.gateway.server.ext_proc import ExternalProcessor
 from sluice.gateway.server.picker import EndpointPicker, PickerConfig
+from sluice.gateway.server.serving_tls import ServingTls, server_credentials
 
 log = logging.getLogger("sluice.gateway.epp")
 
@@ -47,7 +48,8 @@ class PickerServer:
 
     def __init__(self, core: RoutingCore, cfg: PickerConfig = PickerConfig(),
                  host: str = "0.0.0.0", port: int = 9002, metrics_port: int = 0,
-                 keys: ApiKeys | None = None) -> None:
+                 keys: ApiKeys | None = None, tls: ServingTls | None = None,
+                 health_port: int = 0) -> None:
         self.core = core
         self.keys = keys or ApiKeys()
         self.picker = EndpointPicker(core, cfg)
@@ -62,10 +64,23 @@ class PickerServer:
         core.registry.on_update.append(
             lambda eps: self.eds.publish(e.pod for e in eps if e.role != PREFILL))
         eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(self.eds, self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        self.port = (self.server.add_insecure_port(address) if tls is None else
+                     self.server.add_secure_port(address, server_credentials(tls)))
         if not self.port:
             raise OSError(f"the picker cannot listen on {host}:{port}")
         self.metrics_port = metrics_port
+        self.tls = tls
+        # gRPC health alone, plaintext, on a port of its own (GIE's 9003): kubelet's gRPC
+        # probes speak no TLS, and a plaintext port on the main server would serve ext_proc
+        # around the TLS (and the client-certificate check) too.
+        self.health_server: grpc.aio.Server | None = None
+        if health_port:
+            self.health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_port = self.health_server.add_insecure_port(f"{host}:{health_port}")
+            if not self.health_port:
+                raise OSError(f"the picker cannot listen on {host}:{health_port}")
         self._reload: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -73,6 +88,8 @@ class PickerServer:
         for name in ("readiness", "", EXT_PROC_SERVICE):
             await self.health.set(name, _NOT_SERVING)
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
         await self.core.start()
         self._reload = asyncio.get_running_loop().create_task(self.keys.reload_loop())
         if self.metrics_port:
@@ -81,7 +98,9 @@ class PickerServer:
             start_http_server(self.metrics_port, registry=self.core.metrics.registry)
         for name in ("readiness", "", EXT_PROC_SERVICE):
             await self.health.set(name, _SERVING)
-        log.info("endpoint picker serving ext_proc on port %d; %s", self.port,
+        log.info("endpoint picker serving ext_proc on port %d (%s); %s", self.port,
+                 "plaintext" if self.tls is None else "TLS" if not self.tls.client_ca_file
+                 else "mutual TLS",
                  "OPEN: no API keys, every client is served (give --api-key or "
                  "--api-keys-dir)" if self.keys.open else f"{len(self.keys)} API key(s)")
 
@@ -90,4 +109,6 @@ class PickerServer:
             self._reload.cancel()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(grace_s)
         await self.core.stop()
