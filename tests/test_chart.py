@@ -13,12 +13,11 @@ from kube_chart import CHART, CHART_CRDS, helm, install_crds, render, server_err
 from sluice import labels
 
 VERSIONS = ("1.30", "1.37")
-# the Gateway's data plane in a namespace of its own; FailOpen, which needs keyless engines
+# the Gateway's data plane in a namespace of its own
 GATEWAY_NS = "envoy-gateway-system"
 GATEWAY_FROM = ("networkPolicy.gatewayFrom[0].namespaceSelector.matchLabels."
                 f"kubernetes\\.io/metadata\\.name={GATEWAY_NS}")
-GIE = ["gie.enabled=true", "gie.failureMode=FailOpen", "engineApiKey.enabled=false",
-       GATEWAY_FROM]
+GIE = ["gie.enabled=true", "gie.failureMode=FailOpen", GATEWAY_FROM]
 
 NON_DEFAULT = [
     "watchNamespaces={team-a}", "operator.replicas=1",
@@ -340,6 +339,17 @@ def test_network_policies_keep_engines_redis_and_picker_private(default, gie):
                        and d["metadata"]["name"].endswith("-engines"))
     direct = gie_engines["ingress"][-1]  # which connects to the engines directly
     assert direct == {"from": gateway, "ports": [{"port": 8000, "protocol": "TCP"}]}
+
+
+def test_gie_mode_puts_no_engine_key_in_any_answer(gie):
+    """GIE mode: any Gateway reads the picker's answers, so there is no engine key to carry
+    (none rendered, none given to the picker or the operator); the engines admit only the
+    Gateway's pods and the chart's own (the NetworkPolicy test above)."""
+    assert not [m for m in gie if m["metadata"]["name"].endswith("-engine-key")]
+    op = _by(gie, "Deployment", "-operator")["spec"]["template"]["spec"]["containers"][0]
+    assert not [a for a in op["args"] if a.startswith("--engine-api-key-secret")]
+    picker = _by(gie, "Deployment", "-picker")["spec"]["template"]["spec"]["containers"][0]
+    assert "SLUICE_ENGINE_API_KEY" not in {e["name"] for e in picker["env"]}
 
 
 def test_engines_get_a_key_only_the_picker_holds(default):

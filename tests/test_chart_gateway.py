@@ -189,7 +189,6 @@ def test_gie_mode_points_the_operator_at_the_picker_service():
     (["gateway.enabled=false"], "needs gateway.enabled"),
     (["watchNamespaces={team-a}"], "the release namespace among watchNamespaces"),
     (["networkPolicy.gatewayFrom=null"], "gie.enabled needs networkPolicy.gatewayFrom"),
-    (["engineApiKey.enabled=true"], "FailOpen needs engineApiKey.enabled=false"),
 ])
 def test_gie_mode_rejects_values_it_cannot_wire(values, message):
     flags = [f for s in GIE + values for f in ("--set", s)]

@@ -130,9 +130,7 @@ release namespace. */}}
 {{- if and .Values.networkPolicy.enabled (not .Values.networkPolicy.gatewayFrom) }}
 {{- fail "gie.enabled needs networkPolicy.gatewayFrom (the Gateway's data-plane pods, e.g. a namespaceSelector): without it the picker's port 9002 and the engines' port 8000 would be open to every pod" }}
 {{- end }}
-{{- if and (eq .Values.gie.failureMode "FailOpen") .Values.engineApiKey.enabled }}
-{{- fail "gie.failureMode=FailOpen needs engineApiKey.enabled=false: a Gateway that fails open sends requests to the engines without the key the picker adds, and every one of them gets 401" }}
-{{- end }}
+
 {{- end }}
 {{- end -}}
 
@@ -159,6 +157,14 @@ true
 {{- end -}}
 
 {{/* The gateway's TLS Secret (envoy.tls), checked: a Secret of yours or cert-manager's. */}}
+{{/* "true" when the engines carry the chart's key and the picker adds it to each answer.
+Not in GIE mode: there any Gateway's data plane reads the picker's answers (the key would
+travel to them), and a Gateway that fails open has no key to send; the engines admit only
+networkPolicy.gatewayFrom and the chart's own components instead. */}}
+{{- define "sluice.engineKey" -}}
+{{- if and .Values.engineApiKey.enabled .Values.gateway.enabled .Values.operator.enabled (not .Values.gie.enabled) }}true{{ end -}}
+{{- end -}}
+
 {{/* The Secret holding the picker's certificate; empty: self-signed at start. */}}
 {{- define "sluice.pickerTlsSecret" -}}
 {{- $tls := .Values.picker.tls -}}
