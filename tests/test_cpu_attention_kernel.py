@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from sluice.engine import kernels
-from sluice.engine.attention import cpu_kernel
 from sluice.engine.attention.backend import AttentionMetadata, kv_cache_shape
 from sluice.engine.attention.cpu_backend import CpuAttentionBackend
 from sluice.engine.attention.torch_backend import TorchAttentionBackend
@@ -106,21 +105,21 @@ def test_extreme_scores_stay_finite_and_nan_propagates(ops, dtype):
 
 
 def test_without_the_kernels_the_engine_keeps_the_pytorch_path(monkeypatch):
-    """An install built without torch has no sluice.engine._C: load() is None, the engine
+    """An install built without torch has no sluice.engine._C: kernels.ops() is None, the engine
     builds the PyTorch backend, and `--attention-backend cpu` refuses to start."""
     from sluice.engine.llm_engine import LLMEngine
 
     kernels.ops.cache_clear()
     monkeypatch.setitem(sys.modules, "sluice.engine._C", None)  # import raises ImportError
     try:
-        assert cpu_kernel.load() is None
+        assert kernels.ops() is None
         assert type(LLMEngine._cpu_backend(required=False)) is TorchAttentionBackend
         with pytest.raises(RuntimeError, match="not installed"):
             LLMEngine._cpu_backend(required=True)
     finally:
         kernels.ops.cache_clear()
     monkeypatch.undo()
-    assert cpu_kernel.load() is not None
+    assert kernels.ops() is not None
 
 
 @pytest.mark.parametrize("isa, selected", [("portable", "portable"), ("sse9", None)])

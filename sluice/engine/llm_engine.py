@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from sluice.engine.attention import cpu_kernel
+from sluice.engine import kernels
 from sluice.engine.attention.cpu_backend import CpuAttentionBackend
 from sluice.engine.attention.torch_backend import TorchAttentionBackend
 from sluice.engine.config import EngineConfig
@@ -145,7 +145,7 @@ class LLMEngine:
 
     @staticmethod
     def _cpu_backend(required: bool) -> TorchAttentionBackend:
-        ops = cpu_kernel.load()
+        ops = kernels.ops()
         if ops is None and required:
             raise RuntimeError("--attention-backend cpu: the CPU kernels are not installed "
                                "(sluice.engine._C; log above)")

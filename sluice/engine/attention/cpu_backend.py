@@ -7,7 +7,7 @@ prefill chunks are split into PREFILL_TILE-row items. Against the PyTorch path (
 SmolLM2-135M, docs/benchmarks.md): a batch-32 decode step 72 -> 56 ms, a 400-token prefill
 387 -> 303 ms (CPU flash SDPA 4.5 ms per layer, the kernel 2.3). Shapes or dtypes the kernel
 does not take (float16, head_dim or block_size over 256) keep the PyTorch path, as does an
-install without the kernels (`cpu_kernel.load()` returns None and the engine builds a
+install without the kernels (`kernels.ops()` returns None and the engine builds a
 TorchAttentionBackend).
 """
 

@@ -6,15 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from sluice.engine import kernels
-
 DTYPES = (torch.float32, torch.bfloat16)
 MAX_BLOCK_SIZE = MAX_HEAD_DIM = 256  # paged_attention.c's MAX_BLOCK and MAX_DIM
-
-
-def load():
-    """The kernels' op namespace, or None where they are not installed (logged once)."""
-    return kernels.ops()
 
 
 def supports(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:

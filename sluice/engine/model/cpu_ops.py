@@ -20,11 +20,6 @@ from sluice.engine.model.decoder import Attention
 from sluice.engine.model.layers import RMSNorm
 
 
-def load():
-    """The kernels' op namespace, or None where they are not installed (logged once)."""
-    return kernels.ops()
-
-
 class NativeRMSNorm(nn.Module):
     """RMSNorm of bf16 rows [tokens, hidden] whose elements are contiguous (the hidden
     states); anything else (Qwen3's per-head q/k norms) goes through the PyTorch module it
@@ -51,7 +46,7 @@ def native_rotary(ops, cos_sin: tuple[torch.Tensor, torch.Tensor],
 def use_cpu_ops(model: nn.Module, dtype: torch.dtype) -> bool:
     """Swap `model`'s RMSNorms and rotaries for the kernels' where they apply (bf16, the
     kernels installed); True when swapped."""
-    ops = load() if dtype == torch.bfloat16 else None
+    ops = kernels.ops() if dtype == torch.bfloat16 else None
     if ops is None:
         return False
     norms = [(parent, name, child) for parent in model.modules()
