@@ -23,6 +23,15 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
                    help="kubernetes: namespaces to watch, the operator's (repeatable, or a "
                         "comma list; '*' = every namespace); default: default")
     p.add_argument("--pool", default=None, help="kubernetes: only this InferencePool")
+    p.add_argument("--pool-name", default=None,
+                   help="kubernetes: serve this one InferencePool, as GIE's EPP does: only "
+                        "the pods its selector names (replaces --namespace and --pool)")
+    p.add_argument("--pool-namespace", default=os.environ.get("POD_NAMESPACE", "default"),
+                   help="the --pool-name pool's namespace (default: $POD_NAMESPACE, else "
+                        "default)")
+    p.add_argument("--pool-group", default="inference.networking.k8s.io",
+                   choices=("inference.networking.k8s.io", "sluice.dev"),
+                   help="the --pool-name pool's API group: GIE's, or Sluice's own")
     p.add_argument("--redis-url", default=os.environ.get("SLUICE_REDIS_URL"),
                    help="shared index + load table (none: this replica's local view only)")
     p.add_argument("--routing", choices=STRATEGIES, default="kv_aware")
@@ -93,9 +102,14 @@ def routing_parts(args: argparse.Namespace):
                      kv_events_curve_dir=args.kv_events_curve_dir)
     if args.discovery == "kubernetes":
         from sluice.gateway.discovery.kubernetes import KubernetesDiscovery, parse_namespaces
+        from sluice.gateway.discovery.pool_scope import PoolRef
+        ref = (PoolRef(args.pool_name, args.pool_namespace, args.pool_group)
+               if args.pool_name else None)
         discovery = KubernetesDiscovery(parse_namespaces(args.namespace or ["default"]),
-                                        args.pool)
+                                        args.pool, pool_ref=ref)
     else:
+        if args.pool_name:
+            raise SystemExit("--pool-name needs --discovery kubernetes")
         if not args.engine:
             raise SystemExit("give at least one --engine (or --discovery kubernetes)")
         discovery = StaticDiscovery([parse_engine_spec(s) for s in args.engine])

@@ -27,6 +27,12 @@ from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio import watch as k8s_watch
 
 from sluice import kube_config, labels
+from sluice.gateway.discovery.pool_scope import (
+    PoolRef,
+    PoolSelector,
+    PoolUnusable,
+    read_selector,
+)
 from sluice.gateway.discovery.static import Endpoint, OnChange, parse_role
 
 log = logging.getLogger("sluice.gateway.k8s")
@@ -46,8 +52,10 @@ def parse_namespaces(values: Iterable[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def pod_endpoint(pod: dict[str, Any], namespace: str) -> Endpoint | None:
-    """The pod's Endpoint when it is ready to serve, else None (`pod`: the API's JSON)."""
+def pod_endpoint(pod: dict[str, Any], namespace: str,
+                 http_port: int | None = None) -> Endpoint | None:
+    """The pod's Endpoint when it is ready to serve, else None (`pod`: the API's JSON;
+    `http_port`: a GIE pool's target port, over the pod's `http` container port)."""
     meta, status = pod.get("metadata") or {}, pod.get("status") or {}
     if meta.get("deletionTimestamp"):
         return None
@@ -60,6 +68,8 @@ def pod_endpoint(pod: dict[str, Any], namespace: str) -> Endpoint | None:
         for p in container.get("ports") or ():
             if p.get("name") in ports:
                 ports[p["name"]] = int(p["containerPort"])
+    if http_port is not None:
+        ports["http"] = http_port
     pod_labels = meta.get("labels") or {}
     annotations = meta.get("annotations") or {}
     host = f"[{ip}]" if ":" in ip else ip
@@ -89,12 +99,19 @@ class KubernetesDiscovery:
 
     def __init__(self, namespaces: str | Sequence[str], pool: str | None = None,
                  configuration: k8s.Configuration | None = None,
-                 watch_timeout_s: int = 300) -> None:
+                 watch_timeout_s: int = 300, pool_ref: PoolRef | None = None,
+                 refresh_s: float = 10.0) -> None:
         """`namespaces`: one, several, or `*` (every namespace). `configuration`: the
-        cluster and identity; default `kube_config.load()` (in-cluster, else kubeconfig)."""
+        cluster and identity; default `kube_config.load()` (in-cluster, else kubeconfig).
+        `pool_ref`: serve that one InferencePool (pool_scope.py): its namespace, its
+        selector, read again every `refresh_s`; `namespaces` and `pool` are then unused."""
         names = parse_namespaces([namespaces] if isinstance(namespaces, str) else namespaces)
         self.namespaces: tuple[str, ...] = names or (ALL_NAMESPACES,)
         self.selector = labels.engine_selector(pool)
+        self.http_port: int | None = None
+        self.pool_ref, self.refresh_s = pool_ref, refresh_s
+        if pool_ref is not None:
+            self.namespaces = (pool_ref.namespace,)
         self.configuration = configuration
         self.watch_timeout_s = watch_timeout_s
         self._api: k8s.ApiClient | None = None
@@ -107,9 +124,40 @@ class KubernetesDiscovery:
             self.configuration = await kube_config.load()
         self._api = k8s.ApiClient(self.configuration)
         core = k8s.CoreV1Api(self._api)
+        if self.pool_ref is not None:
+            self._tasks.append(asyncio.create_task(self._follow_pool(core, on_change),
+                                                   name=f"k8s-pool-{self.pool_ref.name}"))
+            return
         for namespace in self.namespaces:
             self._tasks.append(asyncio.create_task(self._run(core, namespace, on_change),
                                                    name=f"k8s-discovery-{namespace}"))
+
+    async def _follow_pool(self, core: k8s.CoreV1Api, on_change: OnChange) -> None:
+        """The pod watch of the pool's current selector, replaced when the selector changes
+        (its first listing replaces the endpoints); none while the pool is not usable."""
+        ref, current, watch = self.pool_ref, "", None  # "": nothing read yet
+        assert ref is not None and self._api is not None
+        try:
+            while True:
+                try:
+                    found: PoolSelector | str = await read_selector(self._api, ref)
+                except PoolUnusable as err:
+                    found = str(err)
+                if found != current:
+                    await _cancel(watch)
+                    watch, current = None, found
+                    if isinstance(found, str):
+                        log.warning("InferencePool %s/%s (%s) not usable, no endpoints: %s",
+                                    ref.namespace, ref.name, ref.group, found)
+                        on_change(self._replace(ref.namespace, {}))
+                    else:
+                        self.selector, self.http_port = found.labels, found.port
+                        log.info("InferencePool %s/%s selects %s (port %s)", ref.namespace,
+                                 ref.name, found.labels, found.port or "http")
+                        watch = asyncio.create_task(self._run(core, ref.namespace, on_change))
+                await asyncio.sleep(self.refresh_s)
+        finally:
+            await _cancel(watch)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -148,7 +196,7 @@ class KubernetesDiscovery:
                 found = {}
                 for pod in listing.get("items") or ():
                     key = _key(pod, namespace)
-                    if (ep := pod_endpoint(pod, key[0])) is not None:
+                    if (ep := pod_endpoint(pod, key[0], self.http_port)) is not None:
                         found[key] = ep
                 on_change(self._replace(namespace, found))
                 version = listing["metadata"]["resourceVersion"]
@@ -158,7 +206,8 @@ class KubernetesDiscovery:
                             resource_version=version, timeout_seconds=self.watch_timeout_s):
                         pod = event["raw_object"]
                         key = _key(pod, namespace)
-                        ep = None if event["type"] == "DELETED" else pod_endpoint(pod, key[0])
+                        ep = (None if event["type"] == "DELETED"
+                              else pod_endpoint(pod, key[0], self.http_port))
                         if (changed := self._set(key, ep)) is not None:
                             on_change(changed)
                 backoff = 0.5  # the watch expired: list again, at once
@@ -167,3 +216,10 @@ class KubernetesDiscovery:
                             err, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
+
+
+async def _cancel(task: asyncio.Task | None) -> None:
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
