@@ -329,15 +329,22 @@ def test_network_policies_keep_engines_redis_and_picker_private(default, gie):
     assert components(redis) == {"picker", "operator"}
     ext_proc = policies["picker"]["ingress"][0]
     assert components(ext_proc) == {"gateway"} and ext_proc["ports"][0]["port"] == 9002
-    gie_picker = next(d["spec"] for d in gie if d["kind"] == "NetworkPolicy"
-                      and d["metadata"]["name"].endswith("-picker"))
+    # GIE mode: the chart's picker still serves only its Envoy; each pool's own picker
+    # (sluice-epp pods, made by the operator) the Gateway's data plane only
+    gie_policies = {d["metadata"]["name"].rsplit("-", 1)[-1]: d["spec"]
+                    for d in gie if d["kind"] == "NetworkPolicy"}
+    assert gie_policies["picker"]["ingress"] == policies["picker"]["ingress"]
     gateway = [{"namespaceSelector": {"matchLabels": {
         "kubernetes.io/metadata.name": GATEWAY_NS}}}]
-    assert gie_picker["ingress"][0] == {"from": gateway,  # the Gateway's data plane only
-                                        "ports": [{"port": 9002, "protocol": "TCP"}]}
-    gie_engines = next(d["spec"] for d in gie if d["kind"] == "NetworkPolicy"
-                       and d["metadata"]["name"].endswith("-engines"))
-    direct = gie_engines["ingress"][-1]  # which connects to the engines directly
+    epp = gie_policies["epp"]
+    assert epp["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "sluice-epp"}}
+    assert epp["ingress"][0] == {"from": gateway, "ports": [{"port": 9002, "protocol": "TCP"}]}
+    epp_peer = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "sluice-epp"}},
+               "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "sluice"}}}
+    http, events, _, direct = gie_policies["engines"]["ingress"]
+    assert epp_peer in http["from"] and epp_peer in events["from"]  # its scrapes and feeds
+    assert epp_peer in gie_policies["redis"]["ingress"][0]["from"]
+    # the Gateway's data plane connects to the engines directly
     assert direct == {"from": gateway, "ports": [{"port": 8000, "protocol": "TCP"}]}
 
 

@@ -247,7 +247,10 @@ def test_the_picker_may_read_what_its_discovery_reads_and_nothing_else(plane, ku
         with installed(plane, pick(manifests, RBAC_KINDS)):
             sa = service_account(manifests, "-picker")
             token, _ = login(plane, *sa)
-            assert _granted(plane, token, pools) == DISCOVERY
+            # GIE mode: each pool's own picker (the same ServiceAccount) gets its GIE pool
+            scoped = {("get", "inference.networking.k8s.io", "inferencepools")}
+            assert _granted(plane, token, pools) == DISCOVERY | (
+                scoped if shape == "gie" else set())
             # a namespace not watched: nothing there unless cluster-wide
             assert _granted(plane, token, elsewhere) == (DISCOVERY if shape == "cluster-wide"
                                                        else set())
@@ -262,11 +265,12 @@ def test_the_picker_may_read_what_its_discovery_reads_and_nothing_else(plane, ku
             assert _status(plane, "/api/v1/pods", token) == everywhere
             assert _status(plane, f"/api/v1/namespaces/{pools}/secrets", token) == 403
             gie = f"/apis/inference.networking.k8s.io/v1/namespaces/{pools}/inferencepools"
-            assert _status(plane, gie, token) == 403
+            assert _status(plane, gie, token) == 403  # (a list: never)
+            assert _status(plane, gie + "/chat", token) == (404 if shape == "gie" else 403)
         # refused: those and only those
         assert sorted(denied(requests_by(plane, username(*sa)))) == sorted([
             "list /api/v1/pods", f"list /api/v1/namespaces/{pools}/secrets",
-            f"list {gie}"][everywhere == 200:])
+            f"list {gie}", *([] if shape == "gie" else [f"get {gie}/chat"])][everywhere == 200:])
 
 
 def test_pool_authors_get_inferencepools_through_the_default_roles(plane, kube_ns):

@@ -32,7 +32,7 @@ from kube_chart import (
 from test_chart import GATEWAY_FROM
 
 from sluice import labels
-from sluice.operator import kube, render_gie
+from sluice.operator import kube, render_epp, render_gie
 from sluice.operator.render_gie import GieConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -77,8 +77,11 @@ def test_gie_pool_is_created_repaired_and_garbage_collected(gie_crd, kube_ns):
     manifests = render("gie.enabled=true", GATEWAY_FROM, release=unique_release(), namespace=ns)
     picker = service_account(manifests, "-picker")[1]
     config = operator_config(manifests)
-    assert config["gie"] == GieConfig(picker, failure_mode="FailClose", namespace=ns)
+    assert config["gie"] == GieConfig(picker, failure_mode="FailClose", namespace=ns,
+                                      picker_template=picker)
     assert config["namespaces"] == (ns,)
+    epp = render_epp.epp_name(NAME)  # the pool's own picker, made from the chart's
+    (template,) = [m for m in pick(manifests, ["Deployment"]) if m["metadata"]["name"] == picker]
 
     async def scenario(kubeconfig: pathlib.Path):
         async with (client(plane.admin_kubeconfig) as api, kubelet(api, ns),
@@ -89,8 +92,18 @@ def test_gie_pool_is_created_repaired_and_garbage_collected(gie_crd, kube_ns):
                                    "the GIE pool")
             # as GIE's CRD stored it, its defaults applied
             assert gie["spec"]["endpointPickerRef"] == {
-                "group": "", "kind": "Service", "name": picker, "port": {"number": 9002},
+                "group": "", "kind": "Service", "name": epp, "port": {"number": 9002},
                 "failureMode": "FailClose"}
+            # that picker: the chart's, scoped to this pool by its GIE pool's selector
+            own = await api.get(kube.DEPLOYMENTS, ns, epp)
+            (container,) = own["spec"]["template"]["spec"]["containers"]
+            assert container["image"] == template["spec"]["template"]["spec"]["containers"][
+                0]["image"]
+            assert {f"--pool-name={NAME}", f"--pool-namespace={ns}",
+                    "--pool-group=inference.networking.k8s.io"} <= set(container["args"])
+            assert not [a for a in container["args"] if a.startswith("--namespace=")]
+            service = await api.get(kube.SERVICES, ns, epp)
+            assert service["spec"]["selector"] == own["spec"]["selector"]["matchLabels"]
             assert gie["spec"]["selector"]["matchLabels"][labels.POOL] == NAME
             assert gie["spec"]["targetPorts"] == [{"number": labels.HTTP_PORT}]
             uid = (await view.pool())["metadata"]["uid"]
@@ -101,15 +114,16 @@ def test_gie_pool_is_created_repaired_and_garbage_collected(gie_crd, kube_ns):
             await eventually(lambda: view.ready(1), 30,
                              "the pool Ready (the GIE pool is no problem)")
             pods = await api.list(kube.PODS, ns, label_selector=selector)
+            engines = await api.list(kube.PODS, ns, label_selector=labels.engine_selector())
             assert [p["metadata"]["name"] for p in pods] == [
-                p["metadata"]["name"] for p in await api.list(kube.PODS, ns)] and pods
+                p["metadata"]["name"] for p in engines] and pods
             # drift: edited by hand, then deleted by hand; the resync timer repairs both
             await api.patch(render_gie.GIE_POOLS, ns, NAME,
                             {"spec": {"endpointPickerRef": {"name": "other"}}})
 
             async def reverted() -> bool:
                 gie = await api.get(render_gie.GIE_POOLS, ns, NAME)
-                return gie["spec"]["endpointPickerRef"]["name"] == picker
+                return gie["spec"]["endpointPickerRef"]["name"] == epp
             await eventually(reverted, 20, "edit reverted")
             await api.delete(render_gie.GIE_POOLS, ns, NAME)
 
@@ -121,10 +135,12 @@ def test_gie_pool_is_created_repaired_and_garbage_collected(gie_crd, kube_ns):
             await api.delete(kube.POOLS, ns, NAME)
 
             async def collected() -> bool:
-                return not await api.list(render_gie.GIE_POOLS, ns)
-            await eventually(collected, 60, "GIE pool collected")
+                return not await api.list(render_gie.GIE_POOLS, ns) and not [
+                    d for d in await api.list(kube.DEPLOYMENTS, ns)
+                    if d["metadata"]["name"] == epp]
+            await eventually(collected, 60, "GIE pool and the pool's picker collected")
 
-    with installed(plane, pick(manifests, RBAC_KINDS)):
+    with installed(plane, [*pick(manifests, RBAC_KINDS), template]):
         sa = service_account(manifests, "-operator")
         _, kubeconfig = login(plane, *sa)
         run(lambda: scenario(kubeconfig))

@@ -16,6 +16,7 @@ from sluice import labels
 from sluice.cli import build_parser
 from sluice.operator.cli import config_from_args
 from sluice.operator.render import render_pool, spec_hash
+from sluice.operator.render_epp import epp_name, render_epp
 from sluice.operator.render_gie import GieConfig, render_gie_pool
 from sluice.operator.spec import PoolSpec
 
@@ -157,3 +158,45 @@ def test_example_httproute_targets_the_gie_pool_of_the_example_pool():
         broken = copy.deepcopy(route)
         broken["spec"]["rules"][0]["backendRefs"] = [bad]
         assert list(validator.iter_errors(broken)), bad
+
+
+def _template(args: list[str]) -> dict:
+    return {"metadata": {"name": "rel-sluice-picker"}, "spec": {"replicas": 2, "template": {
+        "metadata": {"labels": {"app.kubernetes.io/component": "picker"},
+                     "annotations": {"checksum": "x"}},
+        "spec": {"serviceAccountName": "rel-sluice-picker", "containers": [
+            {"name": "picker", "image": "sluice-gateway:1", "args": args}]}}}}
+
+
+def test_each_pool_gets_the_charts_picker_scoped_to_it():
+    pool = _pool("pool-cpu.yaml")
+    args = ["epp", "--discovery=kubernetes", "--namespace=$(NS)", "--pool=x",
+            "--secure-serving", "--grpc-health-port=9003"]
+    deployment, service = render_epp(pool, _template(args))
+    spec = deployment["spec"]
+    (container,) = spec["template"]["spec"]["containers"]
+    assert container["args"] == [
+        "epp", "--discovery=kubernetes", "--secure-serving", "--grpc-health-port=9003",
+        f"--pool-name={pool.name}", "--pool-namespace=sluice",
+        "--pool-group=inference.networking.k8s.io"]
+    assert container["image"] == "sluice-gateway:1" and spec["replicas"] == 2
+    assert spec["template"]["spec"]["serviceAccountName"] == "rel-sluice-picker"
+    # pods of its own: neither the chart's picker Services nor the engines' selectors
+    pod_labels = spec["template"]["metadata"]["labels"]
+    assert pod_labels == {"app.kubernetes.io/name": "sluice-epp",
+                          "sluice.dev/epp-pool": pool.name}
+    assert spec["selector"]["matchLabels"] == pod_labels == service["spec"]["selector"]
+    assert labels.POOL not in pod_labels and labels.MANAGED_BY not in pod_labels
+    for child in (deployment, service):  # owned (pruned, collected) like the pool's others
+        assert child["metadata"]["name"] == epp_name(pool.name)
+        assert child["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+        assert child["metadata"]["labels"][labels.POOL] == pool.name
+    assert service["spec"]["ports"][0]["appProtocol"] == "https"  # it serves TLS
+    plain = render_epp(pool, _template(["epp"]))[1]
+    assert plain["spec"]["ports"][0]["appProtocol"] == "kubernetes.io/h2c"
+    gie = render_gie_pool(pool, GieConfig("rel-sluice-picker"), epp_name(pool.name))
+    assert gie["spec"]["endpointPickerRef"]["name"] == epp_name(pool.name)
+    broken = _template([])
+    broken["spec"]["template"]["spec"]["containers"][0]["name"] = "other"
+    with pytest.raises(ValueError, match="no 'picker' container"):
+        render_epp(pool, broken)

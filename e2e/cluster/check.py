@@ -259,7 +259,8 @@ def uninstall(c: Cluster) -> None:
     assert not left.strip(), left
 
 
-@step("GIE mode: GIE's CRD, the chart with gie.enabled, the GIE InferencePool accepted")
+@step("GIE mode: GIE's CRD, the chart with gie.enabled, the GIE InferencePool accepted and "
+      "its own picker serving")
 def gie_mode(c: Cluster) -> None:
     c.kubectl("apply", "--server-side", "-f",
               str(ROOT / "tests/crds/gie/inference.networking.k8s.io_inferencepools.yaml"))
@@ -269,7 +270,10 @@ def gie_mode(c: Cluster) -> None:
     apply_pool(c)
     gie = c.json("inferencepools.inference.networking.k8s.io", "-n", NS, POOL)
     picker = gie["spec"]["endpointPickerRef"]
-    assert (picker["name"], picker["port"]["number"]) == ("sluice-picker", 9002), picker
+    assert (picker["name"], picker["port"]["number"]) == (f"{POOL}-epp", 9002), picker
+    # the pool's own picker (the chart's, scoped by --pool-name) runs and is Ready
+    c.kubectl("wait", "-n", NS, "--for=condition=Available", f"deployment/{POOL}-epp",
+              "--timeout=5m")
     with c.port_forward("svc/sluice-gateway", 80) as url:
         completion(c, url, api_key(c))
     delete_pool(c)

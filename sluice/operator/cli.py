@@ -62,6 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gie-failure-mode", choices=FAILURE_MODES, default="FailClose")
     parser.add_argument("--gie-namespace", default=None,
                         help="GIE mode: only pools of this namespace (where the picker is)")
+    parser.add_argument("--gie-picker-template", metavar="DEPLOYMENT", default=None,
+                        help="GIE mode: run a picker per pool (<pool>-epp), this picker "
+                             "Deployment scoped to the pool (--pool-name); its GIE pool "
+                             "names it")
     parser.add_argument("--verbose", "-v", action="store_true")
 
 
@@ -70,7 +74,8 @@ def gie_from_args(args: argparse.Namespace) -> GieConfig | None:
         return None
     return GieConfig(picker_service=args.gie_endpoint_picker,
                      picker_port=args.gie_endpoint_picker_port,
-                     failure_mode=args.gie_failure_mode, namespace=args.gie_namespace or None)
+                     failure_mode=args.gie_failure_mode, namespace=args.gie_namespace or None,
+                     picker_template=args.gie_picker_template or None)
 
 
 def _render_config(args: argparse.Namespace) -> RenderConfig:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sluice.operator import apply, kube, render_gie
+from sluice.operator import apply, kube, render_epp, render_gie
 from sluice.operator.observe import observe
 from sluice.operator.render import RenderConfig, render_pool
 from sluice.operator.render_gie import GieConfig
@@ -133,12 +133,17 @@ class Reconciler:
             return
         key, version = (pool.namespace, pool.name), (pool.uid, pool.generation)
         prune = self._pruned.get(key) != version
-        report = await apply.apply_all(self.client, render_pool(pool, self.config), pool.uid,
-                                       prune_orphans=prune, memo=self._applied)
+        gie = self.gie if self.gie is not None and self.gie.applies_to(pool.namespace) else None
+        epp, epp_problem = await self._epp(pool, gie) if gie is not None else ([], None)
+        report = await apply.apply_all(self.client, render_pool(pool, self.config) + epp,
+                                       pool.uid, prune_orphans=prune, memo=self._applied)
         if prune:
             self._pruned[key] = version
-        if self.gie is not None and self.gie.applies_to(pool.namespace):
-            await self._apply_gie(pool, self.gie, report)
+        if epp_problem is not None:
+            report.problems.append(epp_problem)
+        if gie is not None:
+            await self._apply_gie(pool, gie, report, render_epp.epp_name(pool.name)
+                                  if epp else None)
         for name in report.created:
             self.events(body, "Normal", "Created", f"created {name}")
         for name in report.updated:
@@ -157,14 +162,35 @@ class Reconciler:
             patch = {**status, "roles": {**{r: None for r in gone}, **status["roles"]}}
             await self._write_status(body, patch)
 
-    async def _apply_gie(self, pool: PoolSpec, gie: GieConfig, report: apply.ApplyReport) -> None:
-        """The pool's GIE InferencePool, applied like the other children. A failure (GIE's CRD
-        not installed, RBAC, the name taken) degrades the pool; it does not stop the pass."""
+    async def _epp(self, pool: PoolSpec, gie: GieConfig
+                   ) -> tuple[list[dict[str, Any]], tuple[str, str] | None]:
+        """The pool's own picker (render_epp) from the template Deployment; none without a
+        template, or (with a problem that degrades the pool) when it cannot be read."""
+        if gie.picker_template is None:
+            return [], None
+        try:
+            template = await self.client.get(kube.DEPLOYMENTS, pool.namespace,
+                                             gie.picker_template)
+            return render_epp.render_epp(pool, template), None
+        except (kube.ApiError, ValueError) as e:
+            if isinstance(e, kube.ApiError) and kube.is_transient(e):
+                raise
+            message = (f"the pool's endpoint picker is not made from Deployment "
+                       f"{pool.namespace}/{gie.picker_template} ({e}); its GIE pool names "
+                       f"{gie.picker_service} meanwhile")
+            return [], ("EndpointPickerTemplateMissing", message)
+
+    async def _apply_gie(self, pool: PoolSpec, gie: GieConfig, report: apply.ApplyReport,
+                         picker: str | None = None) -> None:
+        """The pool's GIE InferencePool (naming `picker`, else the shared picker Service),
+        applied like the other children. A failure (GIE's CRD not installed, RBAC, the name
+        taken) degrades the pool; it does not stop the pass."""
         ref = render_gie.GIE_POOLS
         name = f"{render_gie.KIND}.{ref.group}/{pool.name}"  # not our own InferencePool
         try:
-            action, _ = await apply.apply_child(self.client, render_gie.render_gie_pool(pool, gie),
-                                                pool.uid, self._applied)
+            action, _ = await apply.apply_child(
+                self.client, render_gie.render_gie_pool(pool, gie, picker), pool.uid,
+                self._applied)
         except apply.NotOwned as e:
             report.problems.append(("ChildNotOwned", str(e)))
         except kube.ApiError as e:

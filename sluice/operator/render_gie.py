@@ -33,6 +33,9 @@ class GieConfig:
     # Only pools here get a GIE pool: the reference is namespace-local, so elsewhere it would
     # name a Service that does not exist. None: every namespace.
     namespace: str | None = None
+    # The chart's picker Deployment, cloned per pool as its own scoped picker (render_epp);
+    # None: every GIE pool names `picker_service`.
+    picker_template: str | None = None
 
     def __post_init__(self) -> None:
         if not self.picker_service:
@@ -51,8 +54,9 @@ def engine_selector(pool: str) -> dict[str, str]:
     return {labels.NAME: labels.ENGINE_NAME, labels.POOL: pool}
 
 
-def render_gie_pool(pool: PoolSpec, config: GieConfig) -> Manifest:
-    """The `inference.networking.k8s.io/v1` InferencePool mirroring `pool`."""
+def render_gie_pool(pool: PoolSpec, config: GieConfig, picker: str | None = None) -> Manifest:
+    """The `inference.networking.k8s.io/v1` InferencePool mirroring `pool`; its endpoint
+    picker is the Service `picker` (the pool's own, render_epp), else `config`'s."""
     manifest: Manifest = {
         "apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
         "metadata": {
@@ -66,7 +70,7 @@ def render_gie_pool(pool: PoolSpec, config: GieConfig) -> Manifest:
             # Defaults spelled out: the live object then equals what we wrote (no drift loop
             # against the API server's defaulting).
             "endpointPickerRef": {
-                "group": "", "kind": "Service", "name": config.picker_service,
+                "group": "", "kind": "Service", "name": picker or config.picker_service,
                 "port": {"number": config.picker_port},
                 "failureMode": config.failure_mode,
             },
