@@ -29,7 +29,10 @@ internal/extensionserver/inferencepool.go `buildHTTPFilterForInferencePool`, ren
 modes (FULL_DUPLEX_STREAMED by default), allow_mode_override false, message_timeout 300 s,
 failure_mode_allow false, and an ORIGINAL_DST cluster: the kgateway shape covers it.
 
-The picker's cluster is plaintext h2 here (those projects put TLS on it: a separate item).
+The picker's cluster speaks TLS without verifying the certificate, as these Gateways connect
+to an EPP by default (kgateway's rendered EPP cluster: an `UpstreamTlsContext` whose
+`validationContext` is empty; GIE's EPP serves a self-signed certificate unless given one),
+so the picker runs with `--secure-serving` and a certificate made at its start.
 One test-only addition to the istio shape: a Gateway's subset hint (GIE leaves how a data
 plane derives it to the data plane) comes from request header `x-test-subset` (a comma
 list), moved into metadata `envoy.lb.subset_hint` / `x-gateway-destination-endpoint-subset`
@@ -46,6 +49,7 @@ from sluice.gateway.core import RoutingCore
 from sluice.gateway.envoy.bootstrap import EnvoyConfig
 from sluice.gateway.envoy.process import EnvoyProcess
 from sluice.gateway.server.picker import PickerConfig
+from sluice.gateway.server.serving_tls import ServingTls
 
 T = "type.googleapis.com/envoy.extensions."
 DEST = "x-gateway-destination-endpoint"
@@ -126,6 +130,9 @@ def gateway_bootstrap(shape: str, picker_port: int, engines: list[tuple[str, int
                "name": "envoy.filters.http.router",
                "typed_config": {"@type": T + "filters.http.router.v3.Router"}}]}
     epp = {"name": "epp", "type": "STATIC", "connect_timeout": "10s",
+           "transport_socket": {"name": "envoy.transport_sockets.tls", "typed_config": {
+               "@type": T + "transport_sockets.tls.v3.UpstreamTlsContext",
+               "common_tls_context": {"alpn_protocols": ["h2"], "validation_context": {}}}},
            "typed_extension_protocol_options": {
                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                    "@type": T + "upstreams.http.v3.HttpProtocolOptions",
@@ -150,7 +157,7 @@ class GatewayFront:
         self.engines = engines
         # ORIGINAL_DST takes one address: no fallbacks behind it (docs/gateway.md)
         self.picker = PickerThread(gw, cfg or PickerConfig(
-            max_fallbacks=2 if shape == "istio" else 0))
+            max_fallbacks=2 if shape == "istio" else 0), tls=ServingTls())
 
     def __enter__(self) -> Self:
         self.picker.__enter__()
