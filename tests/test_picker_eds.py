@@ -13,7 +13,7 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import discovery_pb2 as ds
 from envoy.service.endpoint.v3 import eds_pb2_grpc
 from google.rpc import status_pb2
-from picker_harness import PickerThread
+from picker_harness import PickerThread, wait_for
 
 from sluice.gateway.core import CoreConfig, RoutingCore
 from sluice.gateway.discovery.static import Endpoint, StaticDiscovery
@@ -71,7 +71,9 @@ def picker():
         yield p
 
 
-def test_first_request_answered_acks_not_changes_pushed(picker, caplog):
+def test_first_request_answered_acks_not_changes_pushed(picker, caplog, monkeypatch):
+    # (a logging.config.dictConfig run earlier in the session disables existing loggers)
+    monkeypatch.setattr(logging.getLogger("sluice.gateway.eds"), "disabled", False)
     stream = Stream(picker.port)
     try:
         stream.send(resource_names=[ENGINE_CLUSTER])
@@ -93,6 +95,7 @@ def test_first_request_answered_acks_not_changes_pushed(picker, caplog):
             stream.send(resource_names=[ENGINE_CLUSTER], version_info=first.version_info,
                         response_nonce=second.nonce,
                         error_detail=status_pb2.Status(code=3, message="bad host"))
+            wait_for(lambda: "rejected endpoints version" in caplog.text)  # NACK read
             picker.call(lambda: registry.update([endpoint("127.0.0.1:9004")]))
             _, pods = stream.next()  # a NACK is not answered; the next change is
             assert pods == ["127.0.0.1:9004"]
