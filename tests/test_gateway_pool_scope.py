@@ -4,10 +4,13 @@ the set; a pool that is not there leaves none. GIE's InferencePool and Sluice's 
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from kube_chart import GIE_CRD, install_crds
 from test_gateway_k8s_discovery import _create, _discover, _nothing, pod, status
 
+from sluice.gateway.discovery import kubernetes
 from sluice.gateway.discovery.kubernetes import KubernetesDiscovery
 from sluice.gateway.discovery.pool_scope import (
     GIE_GROUP,
@@ -15,6 +18,7 @@ from sluice.gateway.discovery.pool_scope import (
     VERSIONS,
     PoolRef,
     PoolSelector,
+    PoolUnusable,
     selector_of,
 )
 from sluice.operator import kube
@@ -97,3 +101,33 @@ def test_a_sluice_pool_selects_its_own_engine_pods(kube_plane, kube_ns):
     disc = KubernetesDiscovery("ignored", pool_ref=PoolRef("chat", ns, SLUICE_GROUP),
                                refresh_s=0.2)
     _discover(kube_plane, disc, [([], make), ([(ns, "10.0.3.1:8000")], _nothing)])
+
+
+def test_a_failed_read_keeps_the_pods_a_deleted_pool_drops_them(gie_plane, kube_ns,
+                                                                 monkeypatch):
+    """An API error reading the pool (a blip) must not empty the pool's endpoints; only the
+    pool's deletion does."""
+    ns = kube_ns
+    real = kubernetes.read_selector
+    failing = {"on": False}
+
+    async def flaky(api, ref):
+        if failing["on"]:
+            raise PoolUnusable("503 Service Unavailable", gone=False)
+        return await real(api, ref)
+    monkeypatch.setattr(kubernetes, "read_selector", flaky)
+
+    async def make(api):
+        await _create(api, labelled("in-a", "10.0.4.1", ns, tier="a"))
+        await api.create(kube.GIE_POOLS, ns, gie_pool(ns, {"tier": "a"}))
+
+    async def fail_then_delete(api):
+        failing["on"] = True
+        await asyncio.sleep(1.0)  # five refreshes that fail
+        assert [e.pod for e in disc._pods.values()] == ["10.0.4.1:8000"]  # kept
+        failing["on"] = False
+        await api.delete(kube.GIE_POOLS, ns, "chat")
+
+    disc = KubernetesDiscovery("ignored", pool_ref=PoolRef("chat", ns), refresh_s=0.2)
+    _discover(gie_plane, disc, [
+        ([], make), ([(ns, "10.0.4.1:8000")], fail_then_delete), ([], _nothing)])

@@ -142,12 +142,17 @@ class KubernetesDiscovery:
                 try:
                     found: PoolSelector | str = await read_selector(self._api, ref)
                 except PoolUnusable as err:
+                    if not err.gone:  # a failed read: the pods watched so far still are
+                        log.warning("InferencePool %s/%s (%s) not read: %s", ref.namespace,
+                                    ref.name, ref.group, err)
+                        await asyncio.sleep(self.refresh_s)
+                        continue
                     found = str(err)
                 if found != current:
                     await _cancel(watch)
                     watch, current = None, found
                     if isinstance(found, str):
-                        log.warning("InferencePool %s/%s (%s) not usable, no endpoints: %s",
+                        log.warning("InferencePool %s/%s (%s) gone, no endpoints: %s",
                                     ref.namespace, ref.name, ref.group, found)
                         on_change(self._replace(ref.namespace, {}))
                     else:

@@ -6,8 +6,9 @@ Policy: `--pool-name` / `--pool-namespace` / `--pool-group` name one InferencePo
 (`labels.engine_selector`). Discovery then lists and watches only that namespace's pods
 matching that selector, so a pod outside the pool is never a candidate, whatever it caches.
 The pool object is read again every `refresh_s`: a changed selector or port replaces the
-pod watch (and with it the endpoint set). A pool that does not exist, or cannot be read,
-leaves no endpoints and is read again (logged once per change).
+pod watch (and with it the endpoint set). A pool that does not exist or selects nothing
+leaves no endpoints; one that cannot be read now (an API error, a lost connection) keeps
+the set it had, and both are read again (logged).
 """
 
 from __future__ import annotations
@@ -57,8 +58,12 @@ def selector_of(ref: PoolRef, pool: dict[str, Any]) -> PoolSelector:
 
 
 class PoolUnusable(Exception):
-    """The pool cannot be read (not there yet, not allowed, no connection) or selects
-    nothing; the message says which."""
+    """The pool could not be read; `gone`: it does not exist or selects nothing (else the
+    reading failed: not allowed, no connection). The message says which."""
+
+    def __init__(self, message: str, gone: bool) -> None:
+        super().__init__(message)
+        self.gone = gone
 
 
 async def read_selector(api: k8s.ApiClient, ref: PoolRef) -> PoolSelector:
@@ -66,6 +71,10 @@ async def read_selector(api: k8s.ApiClient, ref: PoolRef) -> PoolSelector:
     try:
         pool = await k8s.CustomObjectsApi(api).get_namespaced_custom_object(
             ref.group, VERSIONS[ref.group], ref.namespace, PLURAL, ref.name)
-        return selector_of(ref, pool)
     except Exception as err:  # (404 until it is made, 403, a lost connection)
-        raise PoolUnusable(getattr(err, "reason", None) or str(err)) from err
+        raise PoolUnusable(getattr(err, "reason", None) or str(err),
+                           gone=getattr(err, "status", None) == 404) from err
+    try:
+        return selector_of(ref, pool)
+    except ValueError as err:
+        raise PoolUnusable(str(err), gone=True) from err
