@@ -1,5 +1,5 @@
 """The kernels' RMSNorm and rotary (csrc/norm_rotary.c), every ISA variant this CPU runs,
-against the PyTorch modules they replace."""
+against the PyTorch ops they stand in for, and the layers choosing them where they apply."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import torch
 
 from sluice.engine.attention.torch_backend import TorchAttentionBackend
 from sluice.engine.loader import load_model
-from sluice.engine.model import cpu_ops
 from sluice.engine.model.layers import RMSNorm, RotaryEmbedding
 
 
@@ -21,38 +20,49 @@ def test_rms_norm_and_rotary_equal_pytorch(ops, tokens):
     norm.weight.data = torch.randn(576, generator=gen)
     norm = norm.bfloat16()
     x = (torch.randn(tokens, 576, generator=gen) * 3).bfloat16()
-    got, ref = cpu_ops.NativeRMSNorm(norm, ops)(x).float(), norm(x).float()
+    got, ref = ops.rms_norm(x, norm.weight, norm.eps).float(), norm.forward_native(x).float()
     torch.testing.assert_close(got, ref, rtol=2 ** -7, atol=0)
     assert (got != ref).float().mean() < 0.005
     # rotary on views into a fused qkv row, at scattered positions (llama3 scaling)
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    cos_sin = RotaryEmbedding(64, 500000.0, scaling).cos_sin(
+    cos, sin = RotaryEmbedding(64, 500000.0, scaling).cos_sin(
         torch.randint(0, 4000, (tokens,), generator=gen), torch.bfloat16)
     qkv = torch.randn(tokens, 9 * 64 + 2 * 3 * 64, generator=gen).bfloat16()
     q, k, _ = qkv.split([576, 192, 192], dim=-1)
     q, k = q.view(-1, 9, 64), k.view(-1, 3, 64)
-    got, ref = cpu_ops.native_rotary(ops, cos_sin, q, k), RotaryEmbedding.apply(cos_sin, q, k)
-    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    ref = RotaryEmbedding.apply_native((cos, sin), q, k)
+    assert torch.equal(ops.rotary(q, cos, sin), ref[0])
+    assert torch.equal(ops.rotary(k, cos, sin), ref[1])
 
 
-def test_norm_falls_back_where_the_c_op_does_not_apply(ops):
+def _kernels_run(fn) -> set[str]:
+    """The sluice kernels `fn()` ran (by the profiler's op names)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.name for e in prof.events() if e.name.startswith("sluice::")}
+
+
+def test_the_layers_take_the_kernels_only_where_they_apply(ops):
     norm = RMSNorm(64, 1e-6).bfloat16()
-    native = cpu_ops.NativeRMSNorm(norm, ops)
+    rows = torch.randn(5, 64).bfloat16()
+    assert _kernels_run(lambda: norm(rows)) == {"sluice::rms_norm"}
     per_head = torch.randn(5, 4, 64).bfloat16()  # Qwen3's q/k norms: 3-D
     strided = torch.randn(5, 128).bfloat16()[:, ::2]  # elements not contiguous
-    for x in (per_head, strided, torch.randn(5, 64)):
-        assert torch.equal(native(x), norm(x))
+    exact = RMSNorm(64, 1e-6)  # float32: the exactness reference
+    for layer, x in ((norm, per_head), (norm, strided), (exact, torch.randn(5, 64))):
+        assert _kernels_run(lambda layer=layer, x=x: layer(x)) == set()
+        assert torch.equal(layer(x), layer.forward_native(x))
+    cos_sin = RotaryEmbedding(64, 10000.0, {}).cos_sin(torch.arange(5), torch.bfloat16)
+    q, k = torch.randn(5, 4, 64).bfloat16(), torch.randn(5, 2, 64).bfloat16()
+    assert _kernels_run(lambda: RotaryEmbedding.apply(cos_sin, q, k)) == {"sluice::rotary"}
+    f32 = RotaryEmbedding(64, 10000.0, {}).cos_sin(torch.arange(5), torch.float32)
+    assert _kernels_run(lambda: RotaryEmbedding.apply(f32, q.float(), k.float())) == set()
 
 
-def test_loaded_bf16_models_use_the_c_ops_and_float32_keeps_pytorch(ops, tiny_models):
-    swapped = load_model(str(tiny_models["qwen3"]), "auto", TorchAttentionBackend(),
-                         torch.bfloat16, torch.device("cpu"), 0)
-    assert isinstance(swapped.model.norm, cpu_ops.NativeRMSNorm)
-    attn = swapped.model.layers[0].self_attn
-    assert attn.apply_rotary is not RotaryEmbedding.apply
-    assert isinstance(attn.q_norm, cpu_ops.NativeRMSNorm)  # falls back per call: 3-D input
-    exact = load_model(str(tiny_models["qwen3"]), "auto", TorchAttentionBackend(),
-                       torch.float32, torch.device("cpu"), 0)
-    assert type(exact.model.norm) is RMSNorm
-    assert exact.model.layers[0].self_attn.apply_rotary is RotaryEmbedding.apply
+def test_loaded_bf16_models_run_the_kernels_and_float32_does_not(ops, tiny_models):
+    for dtype, wanted in ((torch.bfloat16, {"sluice::rms_norm"}), (torch.float32, set())):
+        lm = load_model(str(tiny_models["qwen3"]), "auto", TorchAttentionBackend(), dtype,
+                        torch.device("cpu"), 0)
+        hidden = torch.randn(3, lm.model.norm.weight.shape[0]).to(dtype)
+        assert _kernels_run(lambda m=lm, h=hidden: m.model.norm(h)) == wanted

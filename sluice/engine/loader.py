@@ -16,7 +16,6 @@ import torch
 from sluice.engine.attention.backend import AttentionBackend
 from sluice.engine.config import ModelConfig
 from sluice.engine.model.cpu_linear import can_pack, pack_linears
-from sluice.engine.model.cpu_ops import use_cpu_ops
 from sluice.engine.model.decoder import CausalLM
 from sluice.engine.shapes import SHAPES
 
@@ -69,8 +68,6 @@ def load_model(model: str, load_format: str, backend: AttentionBackend, dtype: t
     lm.requires_grad_(False)
     if can_pack(dtype, device):
         pack_linears(lm)  # (after loading: packing copies the weights it is given)
-    if device.type == "cpu":
-        use_cpu_ops(lm, dtype)
     return lm.eval()
 
 

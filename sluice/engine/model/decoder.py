@@ -31,7 +31,6 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.backend = backend
         self.scale = self.head_dim ** -0.5
-        self.apply_rotary = RotaryEmbedding.apply  # model/cpu_ops.py swaps in a C one on CPU
 
     def forward(self, cos_sin, x, kv_cache: torch.Tensor, meta: AttentionMetadata):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -40,7 +39,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.apply_rotary(cos_sin, q, k)
+        q, k = RotaryEmbedding.apply(cos_sin, q, k)
         self.backend.write_kv(k, v, kv_cache, meta)
         o = self.backend.attend(q, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))

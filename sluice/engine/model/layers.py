@@ -1,4 +1,12 @@
-"""Building blocks of the decoder: RMSNorm, rotary embeddings (incl. llama3 scaling), SwiGLU."""
+"""Building blocks of the decoder: RMSNorm, rotary embeddings (incl. llama3 scaling), SwiGLU.
+
+RMSNorm and rotary take the engine's CPU kernels (`sluice.engine.kernels`: one op each where
+eager PyTorch runs 8 and ~12; per call at one token 12.1 -> 4.7 us and 15.5 -> 3.4 us,
+docs/benchmarks.md) for bf16 on the CPU, in the layouts the kernels read; everything else
+(float32, the exactness reference the tests hold against transformers; GPUs; other
+layouts) runs the PyTorch ops (`forward_native`, `apply_native`). The kernels round where
+PyTorch rounds: rotary is bit-equal, RMSNorm too but for its sum of squares' order.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sluice.engine import kernels
+
+BF16 = torch.bfloat16
+
 
 class RMSNorm(nn.Module):
-    """y = w * x / sqrt(mean(x^2) + eps), computed in float32 as transformers does."""
+    """y = w * x / sqrt(mean(x^2) + eps), computed in float32 as transformers does. The
+    kernel takes bf16 rows [tokens, hidden] on the CPU whose elements are contiguous (the
+    hidden states); Qwen3's 3-D per-head norms and all else take `forward_native`."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -18,6 +32,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = kernels.ops()  # (None: not installed)
+        if (ops is not None and x.dtype == BF16 and self.weight.dtype == BF16
+                and x.dim() == 2 and x.stride(1) == 1 and x.device.type == "cpu"):
+            return ops.rms_norm(x, self.weight, self.eps)
+        return self.forward_native(x)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -59,8 +80,25 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def apply(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
+        """q [T, heads, D] and k [T, kv_heads, D] rotated; the kernel where both are bf16 on
+        the CPU with heads contiguous within a token (views into the fused qkv output are)."""
+        cos, sin = cos_sin
+        ops = kernels.ops()
+        if (ops is not None and q.dtype == k.dtype == cos.dtype == BF16
+                and q.device.type == "cpu" and _heads_contiguous(q) and _heads_contiguous(k)
+                and cos.is_contiguous() and sin.is_contiguous()):
+            return ops.rotary(q, cos, sin), ops.rotary(k, cos, sin)
+        return RotaryEmbedding.apply_native(cos_sin, q, k)
+
+    @staticmethod
+    def apply_native(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor,
+                     k: torch.Tensor):
         cos, sin = cos_sin
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _heads_contiguous(x: torch.Tensor) -> bool:
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
