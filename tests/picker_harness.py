@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any, Self
 
 import grpc
@@ -14,13 +15,23 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf.struct_pb2 import Struct
 
-from sluice.gateway.core import RoutingCore
+from sluice.gateway.core import CoreConfig, RoutingCore
+from sluice.gateway.discovery.static import Endpoint, StaticDiscovery
 from sluice.gateway.envoy.bootstrap import EnvoyConfig
 from sluice.gateway.envoy.process import EnvoyProcess
+from sluice.gateway.routing.config import RoutingConfig
 from sluice.gateway.server.api_keys import ApiKeys
 from sluice.gateway.server.grpc_server import PickerServer
 from sluice.gateway.server.picker import PickerConfig
 from sluice.gateway.server.serving_tls import ServingTls
+
+
+def static_core(ports: Iterable[int], strategy: str = "round_robin", **cfg: Any) -> RoutingCore:
+    """A routing core over loopback engines on `ports`, all serving model "m" (pool "m")."""
+    eps = [Endpoint(pod=f"127.0.0.1:{p}", url=f"http://127.0.0.1:{p}", model="m", pool="m")
+           for p in ports]
+    return RoutingCore(CoreConfig(routing=RoutingConfig(strategy=strategy), **cfg),
+                       StaticDiscovery(eps))
 
 
 class PickerThread:

@@ -9,7 +9,7 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from fake_engine import ThreadServer as Server
 from fake_engine import fake_engine
-from picker_harness import ExtProcClient, Front, PickerThread, headers, wait_for
+from picker_harness import ExtProcClient, Front, PickerThread, headers, static_core, wait_for
 
 from sluice.gateway.core import CoreConfig, RoutingCore
 from sluice.gateway.discovery.static import Endpoint, StaticDiscovery
@@ -43,17 +43,11 @@ def test_keys_from_a_folder_are_reloaded_when_it_changes(tmp_path):
     assert not ApiKeys(None, str(tmp_path)).open  # an empty folder refuses everyone
 
 
-def core(port):
-    ep = Endpoint(pod=f"127.0.0.1:{port}", url=f"http://127.0.0.1:{port}", model="m", pool="m")
-    return RoutingCore(CoreConfig(routing=RoutingConfig(strategy="round_robin")),
-                       StaticDiscovery([ep]))
-
-
 @pytest.fixture
 def keyed_front(tmp_path):
     (tmp_path / "team-a").write_text("sk-aaaa")
     with Server(fake_engine("ok", {})) as up:
-        gw = core(up.port)
+        gw = static_core([up.port])
         keys = ApiKeys(None, str(tmp_path), reload_s=0.05)
         with Front(gw, keys=keys) as front:
             wait_for(lambda: len(gw.registry.active()) == 1)
@@ -91,7 +85,7 @@ def test_through_envoy_a_wrong_missing_or_revoked_key_gets_401(keyed_front):
 def test_the_engine_never_sees_the_clients_key():
     seen = {}
     with Server(fake_engine("ok", seen)) as up:
-        gw = core(up.port)
+        gw = static_core([up.port])
         with PickerThread(gw, keys=ApiKeys("sk-right")) as picker:
             client = ExtProcClient(picker.port)
             wait_for(lambda: len(gw.registry.active()) == 1)

@@ -11,17 +11,22 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from fake_engine import ThreadServer as Server
 from fake_engine import fake_engine
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from picker_harness import ExtProcClient, Front, PickerThread, headers, metadata, wait_for
+from picker_harness import (
+    ExtProcClient,
+    Front,
+    PickerThread,
+    headers,
+    metadata,
+    static_core,
+    wait_for,
+)
 
-from sluice.gateway.core import CoreConfig, RoutingCore
-from sluice.gateway.discovery.static import Endpoint, StaticDiscovery
 from sluice.gateway.envoy.listener import (
     ATTR_AUTHORIZATION,
     ATTR_METHOD,
     ATTR_PATH,
     REQUEST_NAMESPACE,
 )
-from sluice.gateway.routing.config import RoutingConfig
 from sluice.gateway.server.api_keys import ApiKeys
 from sluice.gateway.server.messages import (
     DESTINATION,
@@ -32,13 +37,6 @@ from sluice.gateway.server.messages import (
     SUBSET,
     SUBSET_NAMESPACE,
 )
-
-
-def core(ports, strategy="round_robin", **cfg):
-    eps = [Endpoint(pod=f"127.0.0.1:{p}", url=f"http://127.0.0.1:{p}", model="m", pool="m")
-           for p in ports]
-    return RoutingCore(CoreConfig(routing=RoutingConfig(strategy=strategy), **cfg),
-                       StaticDiscovery(eps))
 
 
 def body(data) -> pb.ProcessingRequest:
@@ -71,7 +69,7 @@ def destination(answer) -> str:
 def pool():
     states = [{}, {}]
     with Server(fake_engine("ok", states[0])) as a, Server(fake_engine("ok", states[1])) as b:
-        gw = core([a.port, b.port])
+        gw = static_core([a.port, b.port])
         with PickerThread(gw) as picker:
             client = ExtProcClient(picker.port)
             wait_for(lambda: len(gw.registry.active()) == 2)
@@ -171,7 +169,7 @@ def test_inflight_follows_the_pod_that_served_and_ends_with_the_stream(pool):
 
 
 def test_no_pod_is_503_and_health_services_answer():
-    gw = core([])
+    gw = static_core([])
     with PickerThread(gw) as picker:
         client = ExtProcClient(picker.port)
         answers = client.exchange(post(), body({"model": "m", "prompt": "x"}))
@@ -227,7 +225,7 @@ def test_body_first_routes_with_its_header_changes_in_metadata(pool):
 
 def test_body_first_keys_and_inflight():
     with Server(fake_engine("ok", {})) as up:
-        gw = core([up.port], engine_api_key="sk-engine")
+        gw = static_core([up.port], engine_api_key="sk-engine")
         with PickerThread(gw, keys=ApiKeys("sk-right")) as picker:
             client = ExtProcClient(picker.port)
             wait_for(lambda: len(gw.registry.active()) == 1)
@@ -257,7 +255,7 @@ def test_through_envoy_a_completion_costs_two_messages_and_an_empty_body_none():
     the stream's only messages; a POST with no body is Envoy's 400, with no picker call on
     the request path; other methods still get the picker's answer to the headers."""
     with Server(fake_engine("ok", {})) as a, Server(fake_engine("ok", {})) as b:
-        gw = core([a.port, b.port])
+        gw = static_core([a.port, b.port])
         pods = [f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"]
         with Front(gw) as front:
             wait_for(lambda: len(gw.registry.active()) == 2)

@@ -7,12 +7,9 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from fake_engine import ThreadServer as Server
 from fake_engine import fake_engine
-from picker_harness import ExtProcClient, PickerThread, headers, metadata, wait_for
+from picker_harness import ExtProcClient, PickerThread, headers, metadata, static_core, wait_for
 
-from sluice.gateway.core import CoreConfig, RoutingCore
 from sluice.gateway.discovery.health import HealthTracker
-from sluice.gateway.discovery.static import Endpoint, StaticDiscovery
-from sluice.gateway.routing.config import RoutingConfig
 from sluice.gateway.routing.router import Decision
 from sluice.gateway.server.messages import LB_NAMESPACE, SERVED
 
@@ -47,13 +44,6 @@ def test_failures_must_be_consecutive_and_probes_judge_alone():
     assert h.is_healthy("b:1")
 
 
-def core(ports, **cfg):
-    eps = [Endpoint(pod=f"127.0.0.1:{p}", url=f"http://127.0.0.1:{p}", model="m", pool="m")
-           for p in ports]
-    return RoutingCore(CoreConfig(routing=RoutingConfig(strategy="round_robin"), **cfg),
-                       StaticDiscovery(eps))
-
-
 def route(client, prompt="hi"):
     _, answer = client.exchange(
         pb.ProcessingRequest(request_headers=headers("POST", "/v1/completions")),
@@ -68,7 +58,7 @@ def route(client, prompt="hi"):
 def two_pods():
     bad_st, ok_st = {}, {}
     with Server(fake_engine("error500", bad_st)) as bad, Server(fake_engine("ok", ok_st)) as ok:
-        gw = core([bad.port, ok.port], probe_interval_s=0.2, max_failures=2)
+        gw = static_core([bad.port, ok.port], probe_interval_s=0.2, max_failures=2)
         with PickerThread(gw) as picker:
             client = ExtProcClient(picker.port)
             wait_for(lambda: len(gw.registry.active()) == 2)
@@ -85,7 +75,7 @@ def test_a_pod_whose_health_fails_is_taken_out_by_the_probes(two_pods):
 
 def test_retried_attempts_eject_the_primary_and_answers_never_do():
     with Server(fake_engine("ok", {})) as a, Server(fake_engine("ok", {})) as b:
-        gw = core([a.port, b.port], probe_interval_s=60, max_failures=2)
+        gw = static_core([a.port, b.port], probe_interval_s=60, max_failures=2)
         pods = [f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"]
         with PickerThread(gw) as picker:
             client = ExtProcClient(picker.port)

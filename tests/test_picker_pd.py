@@ -9,7 +9,7 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from fake_engine import ThreadServer as Server
 from fake_engine import fake_engine
-from picker_harness import ExtProcClient, PickerThread, headers, metadata, wait_for
+from picker_harness import ExtProcClient, PickerThread, headers, metadata, static_core, wait_for
 
 from sluice.gateway.core import CoreConfig, RoutingCore
 from sluice.gateway.discovery.static import Endpoint, StaticDiscovery
@@ -105,16 +105,13 @@ def test_the_prefill_pod_counts_in_flight_until_the_answer_begins(pool):
 
 def test_a_pool_without_roles_gets_no_prefill_header_nor_pd_headers():
     with Server(fake_engine("ok", {})) as a, Server(fake_engine("ok", {})) as b:
-        eps = [Endpoint(pod=f"127.0.0.1:{s.port}", url=s.url, model="m", pool="m")
-               for s in (a, b)]
-        gw = RoutingCore(CoreConfig(routing=RoutingConfig(strategy="least_load")),
-                         StaticDiscovery(eps))
+        gw = static_core([a.port, b.port], "least_load")
         with PickerThread(gw) as picker:
             client = ExtProcClient(picker.port)
             wait_for(lambda: len(gw.registry.active()) == 2)
             _, routed, shown = client.exchange(post(), body(LONG), pb.ProcessingRequest(
                 response_headers=headers("POST", "/v1/completions"),
-                metadata_context=metadata(LB_NAMESPACE, {SERVED: eps[0].pod})))
+                metadata_context=metadata(LB_NAMESPACE, {SERVED: f"127.0.0.1:{a.port}"})))
             assert PREFILLER not in set_headers(routed)
             keys = {h.header.key for h in
                     shown.response_headers.response.header_mutation.set_headers}

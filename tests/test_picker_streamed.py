@@ -10,11 +10,16 @@ from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import Proces
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from fake_engine import ThreadServer as Server
 from fake_engine import fake_engine
-from picker_harness import ExtProcClient, PickerThread, Stream, headers, metadata, wait_for
+from picker_harness import (
+    ExtProcClient,
+    PickerThread,
+    Stream,
+    headers,
+    metadata,
+    static_core,
+    wait_for,
+)
 
-from sluice.gateway.core import CoreConfig, RoutingCore
-from sluice.gateway.discovery.static import Endpoint, StaticDiscovery
-from sluice.gateway.routing.config import RoutingConfig
 from sluice.gateway.server.api_keys import ApiKeys
 from sluice.gateway.server.messages import (
     DESTINATION,
@@ -89,14 +94,11 @@ def routed(answer) -> tuple[str, list[str]]:
 @pytest.fixture
 def pool():
     with Server(fake_engine("ok", {})) as a, Server(fake_engine("ok", {})) as b:
-        eps = [Endpoint(pod=f"127.0.0.1:{s.port}", url=s.url, model="m", pool="m")
-               for s in (a, b)]
-        gw = RoutingCore(CoreConfig(routing=RoutingConfig(strategy="round_robin")),
-                         StaticDiscovery(eps))
+        gw = static_core([a.port, b.port])
         with PickerThread(gw, PickerConfig(max_body_bytes=LIMIT)) as picker:
             client = ExtProcClient(picker.port)
             wait_for(lambda: len(gw.registry.active()) == 2)
-            yield picker, client, [e.pod for e in eps]
+            yield picker, client, [f"127.0.0.1:{s.port}" for s in (a, b)]
             client.close()
 
 
@@ -244,9 +246,7 @@ def test_a_gateway_that_reports_no_served_endpoint_gets_no_verdict(pool):
 
 def test_a_keyed_gateway_strips_the_key_and_names_it_in_metadata():
     with Server(fake_engine("ok", {})) as a:
-        gw = RoutingCore(CoreConfig(routing=RoutingConfig(strategy="round_robin")),
-                         StaticDiscovery([Endpoint(pod=f"127.0.0.1:{a.port}", url=a.url,
-                                                   model="m", pool="m")]))
+        gw = static_core([a.port])
         with PickerThread(gw, keys=ApiKeys("sk-right")) as picker:
             client = ExtProcClient(picker.port)
             wait_for(lambda: len(gw.registry.active()) == 1)

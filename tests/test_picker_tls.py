@@ -21,20 +21,11 @@ from fake_engine import ThreadServer as Server
 from fake_engine import fake_engine
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kube_pki import make_ca, signed
-from picker_harness import Front, PickerThread, headers, wait_for
+from picker_harness import Front, PickerThread, headers, static_core, wait_for
 
-from sluice.gateway.core import CoreConfig, RoutingCore
-from sluice.gateway.discovery.static import Endpoint, StaticDiscovery
-from sluice.gateway.routing.config import RoutingConfig
 from sluice.gateway.server.serving_tls import CERT_FILE, KEY_FILE, ServingTls
 
 SAN = "subjectAltName=DNS:localhost,IP:127.0.0.1"
-
-
-def core(port: int) -> RoutingCore:
-    ep = Endpoint(pod=f"127.0.0.1:{port}", url=f"http://127.0.0.1:{port}", model="m", pool="m")
-    return RoutingCore(CoreConfig(routing=RoutingConfig(strategy="round_robin")),
-                       StaticDiscovery([ep]))
 
 
 @pytest.fixture
@@ -67,7 +58,7 @@ def served_certificate(port: int) -> bytes:
 
 def test_self_signed_picker_behind_envoy():
     with Server(fake_engine("ok", {})) as up:
-        gw = core(up.port)
+        gw = static_core([up.port])
         with Front(gw, tls=ServingTls(), picker_tls=True) as front:
             wait_for(lambda: len(gw.registry.active()) == 1)
             assert complete(front)
@@ -81,7 +72,7 @@ def test_self_signed_picker_behind_envoy():
 
 def test_verified_certificate_is_served_anew_after_a_renewal(pki):
     with Server(fake_engine("ok", {})) as up:
-        gw = core(up.port)
+        gw = static_core([up.port])
         with Front(gw, tls=ServingTls(str(pki / "serving")), picker_tls=True,
                    picker_host="127.0.0.1", picker_ca_file=str(pki / "ca.crt")) as front:
             wait_for(lambda: len(gw.registry.active()) == 1)
@@ -98,7 +89,7 @@ def test_envoy_refuses_a_picker_its_ca_did_not_sign(pki, tmp_path):
     other = tmp_path / "other-ca"
     make_ca(other, "another-ca")
     with Server(fake_engine("ok", {})) as up:
-        gw = core(up.port)
+        gw = static_core([up.port])
         with Front(gw, tls=ServingTls(str(pki / "serving")), picker_tls=True,
                    picker_host="127.0.0.1", picker_ca_file=str(other / "ca.crt"),
                    picker_health_check=False, ext_proc_message_timeout_s=1.0) as front:
@@ -113,7 +104,7 @@ def test_envoy_refuses_a_picker_its_ca_did_not_sign(pki, tmp_path):
 def test_mutual_tls_answers_only_clients_with_a_certificate(pki):
     tls = ServingTls(str(pki / "serving"), client_ca_file=str(pki / "ca.crt"))
     with Server(fake_engine("ok", {})) as up:
-        gw = core(up.port)
+        gw = static_core([up.port])
         with Front(gw, tls=tls, picker_tls=True, picker_host="127.0.0.1",
                    picker_ca_file=str(pki / "ca.crt"),
                    picker_client_cert_file=str(pki / "envoy.crt"),
@@ -135,7 +126,7 @@ def test_health_has_a_plaintext_port_of_its_own(pki):
     """kubelet's gRPC probes speak no TLS: health alone, on --grpc-health-port."""
     port = free_port()
     with (Server(fake_engine("ok", {})) as up,
-          PickerThread(core(up.port), tls=ServingTls(str(pki / "serving")), health_port=port),
+          PickerThread(static_core([up.port]), tls=ServingTls(str(pki / "serving")), health_port=port),
           grpc.insecure_channel(f"127.0.0.1:{port}") as plain):
         check = health_pb2_grpc.HealthStub(plain).Check(
             health_pb2.HealthCheckRequest(service="readiness"), timeout=5)
