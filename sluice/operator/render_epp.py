@@ -23,12 +23,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from sluice import labels
+from sluice.operator import kube
 from sluice.operator.render import Manifest, owner_reference, spec_hash
 from sluice.operator.spec import PoolSpec
 
 EPP_NAME = "sluice-epp"  # the EPP pods' app.kubernetes.io/name (the chart's policies select it)
 EPP_POOL = "sluice.dev/epp-pool"
-GIE_GROUP = "inference.networking.k8s.io"
 PICKER_CONTAINER = "picker"
 _REPLACED = ("--namespace", "--pool", "--pool-name", "--pool-namespace", "--pool-group")
 
@@ -40,7 +40,7 @@ def epp_name(pool: str) -> str:
 def _scoped_args(args: list[str], pool: PoolSpec) -> list[str]:
     kept = [a for a in args if a.split("=", 1)[0] not in _REPLACED]
     return [*kept, f"--pool-name={pool.name}", f"--pool-namespace={pool.namespace}",
-            f"--pool-group={GIE_GROUP}"]
+            f"--pool-group={kube.GIE_POOLS.group}"]
 
 
 def _child_metadata(pool: PoolSpec, name: str) -> dict[str, Any]:
