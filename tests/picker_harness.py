@@ -19,7 +19,6 @@ from sluice.gateway.core import CoreConfig, RoutingCore
 from sluice.gateway.discovery.static import Endpoint, StaticDiscovery
 from sluice.gateway.envoy.bootstrap import EnvoyConfig
 from sluice.gateway.envoy.process import EnvoyProcess
-from sluice.gateway.routing.config import RoutingConfig
 from sluice.gateway.server.api_keys import ApiKeys
 from sluice.gateway.server.grpc_server import PickerServer
 from sluice.gateway.server.picker import PickerConfig
@@ -30,7 +29,7 @@ def static_core(ports: Iterable[int], strategy: str = "round_robin", **cfg: Any)
     """A routing core over loopback engines on `ports`, all serving model "m" (pool "m")."""
     eps = [Endpoint(pod=f"127.0.0.1:{p}", url=f"http://127.0.0.1:{p}", model="m", pool="m")
            for p in ports]
-    return RoutingCore(CoreConfig(routing=RoutingConfig(strategy=strategy), **cfg),
+    return RoutingCore(CoreConfig(routing=strategy, **cfg),
                        StaticDiscovery(eps))
 
 

@@ -24,6 +24,7 @@ from sluice.gateway.envoy.listener import (
     ATTR_AUTHORIZATION,
     ATTR_METHOD,
     ATTR_PATH,
+    ATTR_ROUTING,
     BODY_FIRST_MODE,
     COMPLETION_PATHS,
     HOLD_HEADERS,
@@ -118,7 +119,7 @@ def test_ext_proc():
     ns = ext["metadata_options"]
     assert ns["forwarding_namespaces"]["untyped"] == [LB_NAMESPACE]
     assert ns["receiving_namespaces"]["untyped"] == [LB_NAMESPACE, REQUEST_NAMESPACE]
-    assert ext["request_attributes"] == [ATTR_METHOD, ATTR_PATH, ATTR_AUTHORIZATION]
+    assert ext["request_attributes"] == [ATTR_METHOD, ATTR_PATH, ATTR_AUTHORIZATION, *ATTR_ROUTING]
     assert BODY_FIRST_MODE == {**PICKER_MODE, "request_header_mode": "SKIP"}
 
 

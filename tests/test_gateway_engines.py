@@ -13,13 +13,13 @@ from fake_engine import engine_with_events
 from picker_harness import Front
 from prometheus_client import generate_latest
 from redis_server import RedisServer
+from routing_testing import shipped
 
 from sluice import index_keys as ik
 from sluice.gateway.core import CoreConfig, RoutingCore
 from sluice.gateway.discovery.static import StaticDiscovery, parse_engine_spec
 from sluice.gateway.prompt.block_keys import request_keys
 from sluice.gateway.prompt.tokenize import PromptTokenizer
-from sluice.gateway.routing.config import RoutingConfig
 
 pytestmark = pytest.mark.slow  # engine processes behind the picker
 
@@ -51,7 +51,7 @@ def engines(tiny_chat_model):
 @pytest.fixture(scope="module")
 def gateway(engines, redis_srv, tiny_chat_model):
     # No speculative entries: every prefix hit below comes from the engines' events.
-    cfg = CoreConfig(routing=RoutingConfig(strategy="kv_aware", speculative_ttl_ms=0),
+    cfg = CoreConfig(routing_document=shipped("kv_aware", speculative_ttl_ms=0),
                      redis_url=redis_srv.url, redis_timeout_s=0.2)
     gw = RoutingCore(cfg, StaticDiscovery([parse_engine_spec(s) for _, s in engines]),
                      PromptTokenizer.from_paths([str(tiny_chat_model)]))
@@ -177,7 +177,7 @@ def test_redis_killed_mid_run_falls_back_and_recovers(gateway, redis_srv):
 def test_engine_killed_mid_stream_ends_stream_with_error(tiny_chat_model):
     proc, spec = engine_with_events(str(tiny_chat_model), MODEL, "--max-num-seqs", "4")
     proc.wait_ready()
-    gw = RoutingCore(CoreConfig(routing=RoutingConfig(strategy="round_robin")),
+    gw = RoutingCore(CoreConfig(routing="round_robin"),
                      StaticDiscovery([parse_engine_spec(spec)]))
     try:
         with Front(gw) as front:
@@ -233,7 +233,7 @@ def test_a_flood_of_hostile_requests_leaves_every_normal_request_served(gateway)
 
 def test_a_picker_without_a_tokenizer_tokenizes_through_the_pods(engines, redis_srv):
     """No --tokenizer: the picker asks a pod's /tokenize, and its keys match the events."""
-    cfg = CoreConfig(routing=RoutingConfig(strategy="kv_aware", speculative_ttl_ms=0),
+    cfg = CoreConfig(routing_document=shipped("kv_aware", speculative_ttl_ms=0),
                      redis_url=redis_srv.url, redis_timeout_s=0.2)
     gw = RoutingCore(cfg, StaticDiscovery([parse_engine_spec(s) for _, s in engines]))
     with Front(gw) as front:

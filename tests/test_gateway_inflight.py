@@ -4,16 +4,16 @@ only while a request's prefill is pending."""
 import asyncio
 
 from sluice.gateway.load.inflight import InFlight
-from sluice.gateway.routing.router import Decision
+from sluice.gateway.routing.scheduler import Decision
 
 
 def test_renewed_while_the_prefill_is_pending_then_never_again():
     async def main():
         renewed = []
         flight = InFlight(renewed.append, renew_every_s=0.02)
-        d = Decision("a:1", "kv_aware", 1, 4, "redis", "prefix+load", ("k2", "k3", "k4"),
+        d = Decision("a:1", "kv_aware", 1, 4, "redis", ("k2", "k3", "k4"),
                      prefill_tokens=48)
-        other = Decision("a:1", "round_robin", 0, 0, "none", "round robin")  # no entries
+        other = Decision("a:1", "round_robin", 0, 0, "none")  # no entries
         attempt, plain = flight.start(d), flight.start(other)
         assert flight.inflight == {"a:1": 2} and flight.pending_prefill == {"a:1": 48}
         await asyncio.sleep(0.11)

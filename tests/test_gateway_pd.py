@@ -1,12 +1,14 @@
-"""Disaggregated prefill/decode in the picker (routing/pd.py): roles from discovery, the
+"""Disaggregated prefill/decode in the picker (routing/profiles/pd.py, the shipped
+configurations' pd-profile-handler): roles from discovery, the
 decode pod chosen among decode-capable pods, and the prefill decision's threshold on
 the prompt's part the decode pod has not cached. On the local index (no I/O)."""
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
-from routing_testing import Pods, make_router
+from routing_testing import Pods, ScriptedRouter, shipped
 
 from sluice import labels
 from sluice.gateway.discovery.kubernetes import pod_endpoint
@@ -15,8 +17,9 @@ from sluice.gateway.index.local_index import LocalIndex
 from sluice.gateway.index.prefix_index import PrefixIndex
 from sluice.gateway.load.table import EngineMetrics, LoadTable
 from sluice.gateway.prompt.block_keys import request_keys
-from sluice.gateway.routing import pd
-from sluice.gateway.routing.config import RoutingConfig
+from sluice.gateway.routing.candidate import Candidate
+from sluice.gateway.routing.plugins import RoutingRequest
+from sluice.gateway.routing.profiles import pd
 
 ROLES = {"d0:1": "decode", "d1:1": "both", "d2:1": None, "p0:1": "prefill", "p1:1": "prefill"}
 PODS = list(ROLES)
@@ -24,14 +27,15 @@ LONG = list(range(1000, 1165))   # 165 tokens: 10 full blocks of 16 and 5
 SHORT = list(range(1000, 1040))  # 40 tokens
 
 
-def make(strategy="kv_aware", loads=None, unhealthy=()):
+def make(strategy="kv_aware", loads=None, unhealthy=(), threshold=None):
     index = PrefixIndex(LocalIndex(), None)
     table = LoadTable(ttl_ms=10_000)
     now = time.time() * 1000
     for pod in PODS:
         w, r, kv = (loads or {}).get(pod, (0, 0, 0.1))
         table.put(pod, EngineMetrics(waiting=w, running=r, kv_usage=kv), now)
-    return make_router(RoutingConfig(strategy=strategy), index, table, Pods(unhealthy)), index
+    return ScriptedRouter(shipped(strategy, pd_threshold=threshold), index, table,
+                      Pods(unhealthy, roles=ROLES)), index
 
 
 def hold(index, pod, n_blocks, tokens=LONG):
@@ -39,8 +43,8 @@ def hold(index, pod, n_blocks, tokens=LONG):
     index.local.store(pod, [(f"{pod}-{i}", k) for i, k in enumerate(keys)])
 
 
-def route(router, tokens=LONG, pods=PODS, cfg=pd.PDConfig(), roles=ROLES):
-    return asyncio.run(pd.route(router, cfg, "m", tokens, pods, roles.get))
+def route(router, tokens=LONG, pods=PODS):
+    return asyncio.run(router.schedule("m", tokens, pods))
 
 
 @pytest.mark.parametrize("strategy", ["round_robin", "least_load", "kv_aware"])
@@ -81,12 +85,13 @@ def test_short_or_mostly_cached_prompts_skip_the_prefill_pod():
 
 
 def test_the_threshold_is_inclusive_and_zero_never_disaggregates():
-    router, _ = make()
-    assert route(router, SHORT, cfg=pd.PDConfig(40)).outcome == pd.PREFILLED
-    assert route(router, SHORT, cfg=pd.PDConfig(41)).outcome == pd.SHORT
-    assert route(router, LONG, cfg=pd.PDConfig(0)).outcome == pd.SHORT
-    assert (pd.disaggregate(pd.PDConfig(100), 99), pd.disaggregate(pd.PDConfig(100), 100)) \
-        == (False, True)
+    assert route(make(threshold=40)[0], SHORT).outcome == pd.PREFILLED
+    assert route(make(threshold=41)[0], SHORT).outcome == pd.SHORT
+    assert route(make(threshold=0)[0], LONG).outcome == pd.SHORT
+    decider = make()[0].plan.handler.decider
+    target = Candidate("d0:1", prompt_tokens=165)
+    assert [decider.disaggregate(RoutingRequest("m", LONG), dataclasses.replace(
+        target, hit_blocks=h)) for h in (5, 4)] == [False, True]  # 85 / 101 tokens to do
 
 
 def test_no_healthy_prefill_pod_means_the_decode_pod_prefills():

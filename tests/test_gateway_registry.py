@@ -82,7 +82,6 @@ def test_lora_adapter_requests_hit_only_blocks_cached_under_the_adapter():
     from sluice.gateway.index.local_index import LocalIndex
     from sluice.gateway.index.prefix_index import PrefixIndex
     from sluice.gateway.prompt.block_keys import request_keys
-    from sluice.gateway.routing.config import RoutingConfig
     from sluice.kv_events import BlockStored, KVEventBatch
 
     class FakeHttp:
@@ -112,8 +111,9 @@ def test_lora_adapter_requests_hit_only_blocks_cached_under_the_adapter():
                            ("c:1", stored(None, lora_id=7))):  # an adapter named by id only
             t = translate(batch, reg.key_model(pod, "base") or "base", lambda f: None)
             index.local.store(pod, t.stored)
-        router = make_router(RoutingConfig(strategy="kv_aware", speculative_ttl_ms=0), index,
-                             LoadTable(1000), Pods(key_model_of=reg.key_model))
+        router = make_router("kv_aware", index,
+                             LoadTable(1000), Pods(key_model_of=reg.key_model),
+                             speculative_ttl_ms=0)
         pods = ["a:1", "b:1", "c:1"]
         for model, pod in (("ad", "a:1"), ("base", "b:1"), ("alias", "b:1")):
             d = await router.route(model, prompt, pods)

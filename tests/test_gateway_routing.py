@@ -10,14 +10,14 @@ from sluice.gateway.index.local_index import LocalIndex
 from sluice.gateway.index.prefix_index import PrefixIndex
 from sluice.gateway.load.table import EngineMetrics, LoadTable
 from sluice.gateway.prompt.block_keys import request_keys
-from sluice.gateway.routing.config import RoutingConfig
+from sluice.gateway.routing.plugins import RoutingRequest
 
 PODS = ["p0:1", "p1:1", "p2:1", "p3:1"]
 PROMPT = list(range(1000, 1165))  # 10 full blocks of 16 and 5 tokens
 
 
 def make(strategy="kv_aware", loads=None, unhealthy=(), inflight=None, pending=None,
-         num_blocks=None, block_sizes=None, **cfg):
+         num_blocks=None, block_sizes=None, speculative_ttl_ms=None):
     index = PrefixIndex(LocalIndex(), None)
     table = LoadTable(ttl_ms=10_000)
     now = time.time() * 1000
@@ -26,8 +26,9 @@ def make(strategy="kv_aware", loads=None, unhealthy=(), inflight=None, pending=N
         if w is not None:
             table.put(pod, EngineMetrics(waiting=w, running=r, kv_usage=kv,
                                          num_gpu_blocks=num_blocks), now)
-    router = make_router(RoutingConfig(strategy=strategy, **cfg), index, table,
-                         Pods(unhealthy, inflight or {}, pending or {}, block_sizes or {}))
+    router = make_router(strategy, index, table,
+                         Pods(unhealthy, inflight or {}, pending or {}, block_sizes or {}),
+                         speculative_ttl_ms)
     return router, index
 
 
@@ -258,10 +259,10 @@ def test_the_block_size_of_a_pods_events_is_used_before_any_scrape():
     from sluice.gateway.discovery.static import Endpoint, StaticDiscovery
 
     eps = [Endpoint(pod=p, url=f"http://{p}", model="m", pool="m") for p in PODS]
-    gw = RoutingCore(CoreConfig(routing=RoutingConfig(strategy="kv_aware")), StaticDiscovery(eps))
+    gw = RoutingCore(CoreConfig(routing="kv_aware"), StaticDiscovery(eps))
     keys = request_keys("m", 32, PROMPT)
     gw.index.apply("p2:1", 0, [(f"h{i}", k) for i, k in enumerate(keys)], [], False, 32)
-    d = asyncio.run(gw.router.route("m", PROMPT, PODS))
+    d = asyncio.run(gw.scheduler.schedule(RoutingRequest("m", PROMPT), PODS)).decode
     assert (d.pod, d.hit_blocks, d.total_blocks) == ("p2:1", 5, 5)
 
 
@@ -279,7 +280,7 @@ def test_a_request_naming_an_alias_finds_blocks_keyed_by_the_pods_first_name():
     index = PrefixIndex(LocalIndex(), None)
     table = LoadTable(ttl_ms=10_000)
     # each pod serves "m" and "alias"
-    router = make_router(RoutingConfig(strategy="kv_aware"), index, table,
+    router = make_router("kv_aware", index, table,
                          Pods(key_model_of=lambda p, model: "m"))
     hold(index, "p2:1", 10)  # keyed by "m", as its events are
     d = asyncio.run(router.route("alias", PROMPT, PODS))

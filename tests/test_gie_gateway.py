@@ -19,7 +19,6 @@ from sluice.gateway.core import CoreConfig, RoutingCore
 from sluice.gateway.discovery.static import Endpoint, StaticDiscovery
 from sluice.gateway.envoy.process import find_envoy
 from sluice.gateway.prompt.tokenize import PromptTokenizer
-from sluice.gateway.routing.config import RoutingConfig
 from sluice.gateway.server import streamed
 
 try:
@@ -39,7 +38,7 @@ def gateway(request, tiny_chat_model):
         dead = free_port()  # a model whose one engine never answers: 503
         eps.append(Endpoint(pod=f"127.0.0.1:{dead}", url=f"http://127.0.0.1:{dead}",
                             model="down", pool="down"))
-        gw = RoutingCore(CoreConfig(routing=RoutingConfig(strategy="prefix")),
+        gw = RoutingCore(CoreConfig(routing="prefix"),
                          StaticDiscovery(eps),
                          PromptTokenizer.from_paths([f"m={tiny_chat_model}"]))
         with GatewayFront(request.param, gw, [("127.0.0.1", s.port) for s in (a, b)]) as front:

@@ -346,7 +346,6 @@ def test_a_burst_of_one_prefix_sticks_with_redis_up(srv):
     from routing_testing import Pods, make_router
 
     from sluice.gateway.load.table import EngineMetrics, LoadTable
-    from sluice.gateway.routing.config import RoutingConfig
 
     pods = ["p0:1", "p1:1", "p2:1", "p3:1"]
     index = make_index(srv.port)
@@ -354,7 +353,7 @@ def test_a_burst_of_one_prefix_sticks_with_redis_up(srv):
     table = LoadTable(ttl_ms=60_000)
     for pod in pods:
         table.put(pod, EngineMetrics(waiting=0, running=0, kv_usage=0.1), time.time() * 1000)
-    router = make_router(RoutingConfig(strategy="kv_aware"), index, table,
+    router = make_router("kv_aware", index, table,
                          Pods(default_block_size=BS))
     tokens = list(range(500, 541))  # 10 full blocks and a token
 

@@ -13,7 +13,6 @@ from picker_harness import ExtProcClient, Front, PickerThread, headers, static_c
 
 from sluice.gateway.core import CoreConfig, RoutingCore
 from sluice.gateway.discovery.static import Endpoint, StaticDiscovery
-from sluice.gateway.routing.config import RoutingConfig
 from sluice.gateway.server.api_keys import ApiKeys
 from sluice.gateway.server.messages import KEY_NAME, LB_NAMESPACE
 
@@ -112,7 +111,7 @@ def test_through_envoy_the_engine_gets_its_own_key_or_the_open_gateways_header(k
     seen = {}
     with Server(fake_engine("ok", seen)) as up:
         ep = Endpoint(pod=f"127.0.0.1:{up.port}", url=up.url, model="m", pool="m")
-        gw = RoutingCore(CoreConfig(routing=RoutingConfig(strategy="round_robin"),
+        gw = RoutingCore(CoreConfig(routing="round_robin",
                                     engine_api_key="sk-engine" if keyed else None),
                          StaticDiscovery([ep]))
         with Front(gw, keys=ApiKeys("sk-client") if keyed else None) as front:

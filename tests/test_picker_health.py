@@ -10,7 +10,7 @@ from fake_engine import fake_engine
 from picker_harness import ExtProcClient, PickerThread, headers, metadata, static_core, wait_for
 
 from sluice.gateway.discovery.health import HealthTracker
-from sluice.gateway.routing.router import Decision
+from sluice.gateway.routing.scheduler import Decision
 from sluice.gateway.server.messages import LB_NAMESPACE, SERVED
 
 
@@ -106,7 +106,7 @@ def test_retried_attempts_eject_the_primary_and_answers_never_do():
 
             def moved_to_fallback(chosen, fallback):
                 """Envoy served a request from the fallback the picker named."""
-                d = Decision(chosen, "round_robin", 0, 0, "none", "test",
+                d = Decision(chosen, "round_robin", 0, 0, "none",
                              fallbacks=(fallback,))
                 picker.call(lambda: picker.server.picker.served(
                     picker.server.picker.start(d), fallback).done())

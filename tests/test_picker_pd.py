@@ -13,8 +13,6 @@ from picker_harness import ExtProcClient, PickerThread, headers, metadata, stati
 
 from sluice.gateway.core import CoreConfig, RoutingCore
 from sluice.gateway.discovery.static import Endpoint, StaticDiscovery
-from sluice.gateway.routing.config import RoutingConfig
-from sluice.gateway.routing.pd import PDConfig
 from sluice.gateway.server.messages import DESTINATION, LB_NAMESPACE, SERVED
 from sluice.gateway.server.picker import PickerConfig
 
@@ -31,9 +29,9 @@ def pool():
         roles = {d0: "decode", d1: "decode", p0: "prefill"}
         eps = [Endpoint(pod=f"127.0.0.1:{s.port}", url=s.url, model="m", pool="m", role=r)
                for s, r in roles.items()]
-        gw = RoutingCore(CoreConfig(routing=RoutingConfig(strategy="least_load")),
+        gw = RoutingCore(CoreConfig(routing="least_load"),
                          StaticDiscovery(eps))
-        with PickerThread(gw, PickerConfig(disagg=PDConfig(100))) as picker:
+        with PickerThread(gw, PickerConfig()) as picker:
             client = ExtProcClient(picker.port)
             wait_for(lambda: len(gw.registry.active()) == 3)
             yield picker, client, [e.pod for e in eps]

@@ -11,7 +11,6 @@ from redis_server import RedisServer
 
 from sluice.gateway.core import CoreConfig, RoutingCore
 from sluice.gateway.discovery.static import Endpoint, StaticDiscovery
-from sluice.gateway.routing.config import RoutingConfig
 from sluice.gateway.server.api_keys import ApiKeys
 from sluice.gateway.server.picker import PickerConfig
 from sluice.gateway.server.rate_limit import Limits, RateLimiter
@@ -38,7 +37,7 @@ def test_two_replicas_share_each_keys_request_count():
         keys = ApiKeys("sk-a")
         replicas = []
         for _ in range(2):
-            core = RoutingCore(CoreConfig(routing=RoutingConfig(strategy="round_robin"),
+            core = RoutingCore(CoreConfig(routing="round_robin",
                                           redis_url=redis_srv.url), StaticDiscovery([ep]))
             replicas.append(PickerThread(core, cfg, keys=keys).__enter__())
         try:

@@ -190,9 +190,8 @@ def test_scrapes_read_back_the_newer_loads_other_replicas_wrote(srv):
 def test_a_gateway_reading_its_own_view_runs_the_mirror(srv):
     from sluice.gateway.core import CoreConfig, RoutingCore
     from sluice.gateway.discovery.static import StaticDiscovery
-    from sluice.gateway.routing.config import RoutingConfig
 
-    gw = RoutingCore(CoreConfig(routing=RoutingConfig(strategy="kv_aware"), redis_url=srv.url),
+    gw = RoutingCore(CoreConfig(routing="kv_aware", redis_url=srv.url),
                      StaticDiscovery([]))
     assert gw.cfg.index_reads == "local"  # the default
     other = RedisIndex.from_url(srv.url, 0.5)

@@ -11,6 +11,7 @@ their bytes. All coroutines run on one event loop.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,15 +29,20 @@ from sluice.gateway.load.scrape import LoadScraper
 from sluice.gateway.load.table import LoadTable
 from sluice.gateway.metrics import GatewayMetrics
 from sluice.gateway.prompt.tokenize import PromptTokenizer
-from sluice.gateway.routing.config import RoutingConfig
-from sluice.gateway.routing.router import Router
-from sluice.gateway.routing.strategies import make_strategy
+from sluice.gateway.routing.config import load_plan, read_document
+from sluice.gateway.routing.plan import RoutingPlan
+from sluice.gateway.routing.plugin_context import PluginContext
+from sluice.gateway.routing.scheduler import Decision, Scheduler
 from sluice.zmq_curve import ZmqSecurity
 
 
 @dataclass(frozen=True)
 class CoreConfig:
-    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    routing: str = "kv_aware"  # a shipped configuration's name, or the document's name
+    # an EndpointPickerConfig (`routing.config`); None: the shipped one named `routing`
+    routing_document: Mapping[str, Any] | None = field(default=None, repr=False)
+    default_block_size: int = 16  # a pod's block size until it reports its own
+    seed: int = 0  # random tie breaks
     local_index: LocalIndexConfig = field(default_factory=LocalIndexConfig)
     redis_url: str | None = None
     scrape_interval_s: float = 0.15
@@ -57,7 +63,7 @@ class CoreConfig:
         assert self.forget_pod_after_s >= 0 and self.speculative_flush_ms > 0
         assert self.max_failures >= 1 and self.probe_interval_s > 0 and self.models_refresh_s > 0
         assert 0.0 <= self.max_ejection_fraction <= 1.0
-        assert self.index_reads in ("redis", "local")
+        assert self.index_reads in ("redis", "local") and self.default_block_size > 0
 
 
 class RoutingCore:
@@ -79,13 +85,18 @@ class RoutingCore:
                                  read_local=cfg.index_reads == "local")
         self.index.on_mode_change.append(self.metrics.set_mode)
         self.metrics.set_mode(self.index.mode)
-        self.strategy = make_strategy(cfg.routing, self.index, LocalIndex(cfg.local_index))
-        uses_events = self.strategy.uses_events
+        self.plan: RoutingPlan = load_plan(
+            cfg.routing_document or read_document(shipped=cfg.routing), cfg.routing,
+            PluginContext(self.index, cfg.local_index, cfg.load_ttl_ms, self.metrics.registry,
+                          cfg.seed), cfg.default_block_size)
+        uses_events = self.plan.uses_events
+        self.speculation = self.plan.renewer()
+        spec_ttl_ms = self.speculation.ttl_ms if self.speculation is not None else 0
         security = ZmqSecurity(cfg.kv_events_curve_dir) if cfg.kv_events_curve_dir else None
         self.feeder = EventFeeder(self.index, security=security) if uses_events else None
         # routing on the own view: the other replicas' decisions are mirrored into it
         self.mirror = (SpecMirror(self.redis.sync, self.index.local, self.redis.replica_id,
-                                  max(cfg.routing.speculative_ttl_ms, 1))
+                                  max(spec_ttl_ms, 1))
                        if uses_events and self.redis is not None and self.index.read_local
                        else None)
         if self.mirror is not None:  # (its own decisions are published for the others only)
@@ -93,17 +104,23 @@ class RoutingCore:
         self.http = PodClient(engine_api_key=cfg.engine_api_key)
         self.registry = PodRegistry(self.feeder, self.redis, self.loads, self.health,
                                     self.http, cfg.probe_interval_s, cfg.forget_pod_after_s)
-        self.flight = InFlight(lambda d: self.router.renew_speculation(d),
-                               cfg.routing.speculative_ttl_ms / 2000.0 or 1.0)  # half the TTL
-        self.router = Router(cfg.routing, self.strategy, self.index, self.loads, self)
+        self.flight = InFlight(self._renew, spec_ttl_ms / 2000.0 or 1.0)  # half the TTL
+        self.scheduler = Scheduler(self.plan, self.loads, self)
         self.registry.on_remove.append(self.metrics.forget_pod)
+        self.registry.on_remove.extend(p.forget_pod for p in self.plan.plugins.values()
+                                       if hasattr(p, "forget_pod"))
         self.index.on_mode_change.append(  # back from an outage or a loss of Redis's data
             lambda mode: mode == "redis" and self.registry.register_all())
         self.scraper = LoadScraper(self.loads, self.redis, self.registry.active, self.http,
                                    cfg.scrape_interval_s)
         self._tasks: list[asyncio.Task] = []
 
-    # -- the router's PodView ----------------------------------------------------------------
+    def _renew(self, d: Decision) -> None:
+        """A running request's speculative entries last their TTL from now."""
+        if d.spec_keys and self.speculation is not None:
+            self.speculation.renew(d.pod, d.spec_keys)
+
+    # -- the scheduler's PodView -------------------------------------------------------------
     def is_healthy(self, pod: str) -> bool:
         return self.health.is_healthy(pod)
 
@@ -119,6 +136,12 @@ class RoutingCore:
 
     def key_model(self, pod: str, model: str) -> str | None:
         return self.registry.key_model(pod, model)
+
+    def role_of(self, pod: str) -> str | None:
+        return self.registry.role_of(pod)
+
+    def index_mode(self) -> str:
+        return self.index.mode
 
     # -- lifetime ----------------------------------------------------------------------------
     async def start(self) -> None:

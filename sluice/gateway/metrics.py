@@ -6,8 +6,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from sluice.gateway.routing.config import STRATEGIES
-from sluice.gateway.routing.pd import PREFILLED
+from sluice.gateway.routing.profiles.pd import PREFILLED
 
 _LAT = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -65,7 +64,7 @@ class GatewayMetrics:
             self.child(self.hit_ratio, strategy).observe(hit_blocks / total_blocks)
 
     def pd_decided(self, outcome: str) -> None:
-        """`outcome`: `routing.pd`'s PREFILLED, SHORT or NO_PREFILL_POD."""
+        """`outcome`: `profiles.pd`'s PREFILLED, SHORT or NO_PREFILL_POD."""
         if outcome == PREFILLED:
             self.child(self.pd_decisions, "prefill", "uncached_at_threshold").inc()
         else:
@@ -73,7 +72,8 @@ class GatewayMetrics:
 
     def forget_pod(self, pod: str) -> None:
         """Drop a removed pod's series (pods come and go; series must not pile up)."""
-        series = [(self.decisions, (s, pod)) for s in STRATEGIES]
+        series = [(m, labels) for m, labels in self._children
+                  if m is self.decisions and labels[-1] == pod]
         for metric, labels in series:
             self._children.pop((metric, labels), None)
             try:

@@ -7,7 +7,7 @@ import logging
 import os
 import resource
 
-from sluice.gateway.routing.config import STRATEGIES, RoutingConfig
+from sluice.gateway.routing.config import shipped_names
 
 log = logging.getLogger("sluice.gateway")
 
@@ -34,22 +34,15 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
                    help="the --pool-name pool's API group: GIE's, or Sluice's own")
     p.add_argument("--redis-url", default=os.environ.get("SLUICE_REDIS_URL"),
                    help="shared index + load table (none: this replica's local view only)")
-    p.add_argument("--routing", choices=STRATEGIES, default="kv_aware")
+    p.add_argument("--routing", choices=shipped_names(), default="kv_aware",
+                   help="a shipped routing configuration (sluice/gateway/routing/configs; "
+                        "see docs/routing.md)")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="an EndpointPickerConfig (llm-d's or GIE's file): plugins, "
+                        "scheduling profiles, saturation detector, flow control; replaces "
+                        "--routing")
     p.add_argument("--tokenizer", action="append", default=[], metavar="[MODEL=]PATH",
                    help="tokenizer + chat template source (HF folder or .gguf), repeatable")
-    d = RoutingConfig()
-    for name, help_text in (("w_prefix", "weight of the prefix-hit fraction"),
-                            ("w_prefill", "weight of the pending-prefill cost score"),
-                            ("w_queue", "weight of the queue score"),
-                            ("w_kv", "weight of the free-KV score"),
-                            ("w_room", "weight of the cache-room score"),
-                            ("imbalance_abs", "imbalance gate: absolute queue difference"),
-                            ("imbalance_rel", "imbalance gate: max / min queue ratio"),
-                            ("kv_ceiling", "KV usage at which a pod is skipped"),
-                            ("cold_spread", "score tolerance for spreading cold requests")):
-        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name),
-                       help=help_text)
-    p.add_argument("--speculative-ttl-ms", type=int, default=d.speculative_ttl_ms)
     p.add_argument("--index-reads", choices=("local", "redis"), default="local",
                    help="where kv_aware lookups read the index: this replica's view (fed by "
                         "every engine's events, with the other replicas' routing decisions "
@@ -58,7 +51,7 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-flush-ms", type=float, default=10.0,
                    help="routing decisions of this long are written to Redis in one call "
                         "(other replicas see them that much later; this one at once)")
-    p.add_argument("--block-size", type=int, default=d.default_block_size,
+    p.add_argument("--block-size", type=int, default=16,
                    help="block size assumed until an engine reports its own")
     p.add_argument("--max-failures", type=int, default=3,
                    help="connection failures in a row that eject a pod until a probe passes")
@@ -81,18 +74,15 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def routing_parts(args: argparse.Namespace):
-    """(CoreConfig, Discovery, PromptTokenizer) for `add_routing_arguments`' flags."""
+    """(CoreConfig, Discovery, PromptTokenizer) for `add_routing_arguments`' flags.
+    SystemExit on a routing configuration that does not load, naming what is wrong."""
     from sluice.gateway.core import CoreConfig
     from sluice.gateway.discovery.static import StaticDiscovery, parse_engine_spec
     from sluice.gateway.prompt.tokenize import PromptTokenizer
 
-    routing = RoutingConfig(
-        strategy=args.routing, w_prefix=args.w_prefix, w_prefill=args.w_prefill,
-        w_queue=args.w_queue, w_kv=args.w_kv, w_room=args.w_room,
-        imbalance_abs=args.imbalance_abs, imbalance_rel=args.imbalance_rel,
-        kv_ceiling=args.kv_ceiling, cold_spread=args.cold_spread,
-        speculative_ttl_ms=args.speculative_ttl_ms, default_block_size=args.block_size)
-    cfg = CoreConfig(routing=routing, redis_url=args.redis_url,
+    name, doc = routing_document(args)
+    cfg = CoreConfig(routing=name, routing_document=doc, default_block_size=args.block_size,
+                     redis_url=args.redis_url,
                      scrape_interval_s=args.scrape_interval, load_ttl_ms=args.load_ttl_ms,
                      max_failures=args.max_failures, probe_interval_s=args.probe_interval,
                      max_ejection_fraction=args.max_ejection_fraction,
@@ -114,6 +104,27 @@ def routing_parts(args: argparse.Namespace):
             raise SystemExit("give at least one --engine (or --discovery kubernetes)")
         discovery = StaticDiscovery([parse_engine_spec(s) for s in args.engine])
     return cfg, discovery, PromptTokenizer.from_paths(args.tokenizer)
+
+
+def routing_document(args: argparse.Namespace) -> tuple[str, dict]:
+    """(The plan's name, its EndpointPickerConfig): --config's file, else the shipped
+    --routing one; --pd-threshold-tokens, where given, sets its prefix-based-pd-decider's
+    nonCachedTokens."""
+    from sluice.gateway.routing.config import read_document, set_parameters
+    from sluice.gateway.routing.registry import PluginError
+
+    try:
+        if args.config:
+            name, doc = os.path.basename(args.config).rsplit(".", 1)[0], read_document(
+                args.config)
+        else:
+            name, doc = args.routing, read_document(shipped=args.routing)
+        if getattr(args, "pd_threshold_tokens", None) is not None:
+            doc = set_parameters(doc, "prefix-based-pd-decider",
+                                 nonCachedTokens=args.pd_threshold_tokens)
+    except (OSError, PluginError) as err:
+        raise SystemExit(f"routing configuration: {err}") from err
+    return name, doc
 
 
 def raise_open_files_limit() -> None:

@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 
-from sluice.gateway.routing.config import STRATEGIES
+from sluice.gateway.routing.config import shipped_names
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="disaggregated: M decode engines (kv_consumer), with --prefill"),
     p.add_argument("--model", default="default", help="model for every engine")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--routing", choices=STRATEGIES, default="kv_aware")
+    p.add_argument("--routing", choices=shipped_names(), default="kv_aware")
     p.add_argument("--host", default="127.0.0.1", help="the gateway's (Envoy's) host")
     p.add_argument("--port", type=int, default=8000, help="the gateway's (Envoy's) port")
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")

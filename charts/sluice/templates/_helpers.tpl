@@ -205,3 +205,23 @@ include "sluice.checkovSkips" (list "CKV_K8S_38" ...). An item "ID=reason" gives
 {{- end }}
 {{- join "\n" $lines }}
 {{- end -}}
+
+{{/*
+The ConfigMap holding the picker's EndpointPickerConfig (picker.config): the chart's own for
+`inline`, else the user's `configMap.name`; empty: a shipped `picker.routing` configuration.
+*/}}
+{{- define "sluice.routingConfig" -}}
+{{- $c := .Values.picker.config -}}
+{{- if and $c.inline $c.configMap.name -}}
+{{- fail "picker.config: set inline or configMap.name, not both" -}}
+{{- end -}}
+{{- if $c.inline -}}
+{{- printf "%s-picker-routing" (include "sluice.fullname" .) -}}
+{{- else -}}
+{{- $c.configMap.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "sluice.routingConfigKey" -}}
+{{- ternary "config.yaml" .Values.picker.config.configMap.key (not (empty .Values.picker.config.inline)) -}}
+{{- end -}}

@@ -24,6 +24,12 @@ LB_NAMESPACE = "envoy.lb"
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
 ATTR_METHOD, ATTR_PATH = "request.method", "request.url_path"
 ATTR_AUTHORIZATION = "request.headers['authorization']"  # (absent: no such header)
+# Request headers routing reads (flow control's objective and fairness id, session
+# affinity's), sent as attributes too: body first, the picker sees no other header.
+ROUTING_HEADERS = ("x-llm-d-inference-objective", "x-gateway-inference-objective",
+                   "x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id",
+                   "x-session-id", "x-session-token")
+ATTR_ROUTING = tuple(f"request.headers['{h}']" for h in ROUTING_HEADERS)
 REQUEST_NAMESPACE = "sluice.request"
 PICKER_CLUSTER = "sluice_picker"
 # The largest request body: Envoy answers 413 beyond it (body_size_limit), and so does the
@@ -144,7 +150,7 @@ def _ext_proc(cfg: EnvoyConfig) -> dict:
         "allow_mode_override": True,
         "allowed_override_modes": [PICKER_MODE],
         # With the first message (headers, or a completion's body): what the picker reads.
-        "request_attributes": [ATTR_METHOD, ATTR_PATH, ATTR_AUTHORIZATION],
+        "request_attributes": [ATTR_METHOD, ATTR_PATH, ATTR_AUTHORIZATION, *ATTR_ROUTING],
         # forwarding: the picker sees envoy.lb (served endpoint) on the response headers;
         # receiving: Envoy drops picker metadata in namespaces not listed here.
         "metadata_options": {"forwarding_namespaces": {"untyped": [LB_NAMESPACE]},

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from sluice.gateway.routing.router import Decision
+from sluice.gateway.routing.scheduler import Decision
 
 
 class InFlight:

@@ -16,11 +16,16 @@ class Candidate:
     waiting: float | None = None     # None: no fresh load entry (unknown)
     running: float | None = None
     kv_usage: float | None = None
+    load_ts_ms: float = 0.0          # when the load above was measured
     inflight: int = 0                # requests this gateway has in flight to the pod
     pending_prefill: int = 0         # uncached prompt tokens this gateway sent to the pod
                                      # whose first token has not come back yet
     held_blocks: int = 0             # blocks the pod's cache holds (index, confirmed)
     num_blocks: int | None = None    # the pod's KV-cache capacity in blocks (None: unknown)
+    role: str | None = None          # prefill, decode, both or None (`discovery.static`)
+    running_loras: frozenset[str] = frozenset()  # adapters of its running requests
+    waiting_loras: frozenset[str] = frozenset()  # adapters of its waiting requests
+    max_loras: int | None = None     # adapters it runs in one batch (None: unknown)
 
     @property
     def uncached_tokens(self) -> int:

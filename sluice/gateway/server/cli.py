@@ -34,10 +34,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="endpoints named after the chosen one, for the data plane's retries")
     p.add_argument("--shed-waiting", type=int, default=d.shed_waiting,
                    help="429 when every eligible engine has this many requests waiting")
-    p.add_argument("--pd-threshold-tokens", type=int, default=d.disagg.threshold_tokens,
+    p.add_argument("--pd-threshold-tokens", type=int, default=None,
                    help="pools with prefill pods: a prompt of at least this many tokens not "
                         "cached on the chosen decode pod is prefilled on a prefill pod "
-                        "(x-prefiller-host-port); shorter ones on the decode pod (0: never)")
+                        "(x-prefiller-host-port); shorter ones on the decode pod (0: never). "
+                        "Sets the prefix-based-pd-decider's nonCachedTokens (the shipped "
+                        "configurations': 100)")
+    p.add_argument("--objective", action="append", default=[],
+                   metavar="NAME=PRIORITY[,models=A|B][,keys=K1|K2]",
+                   help="an InferenceObjective: requests naming NAME in "
+                        "x-llm-d-inference-objective (or x-gateway-inference-objective), "
+                        "or for these models, or with these API keys (by name), get "
+                        "PRIORITY (higher first; < 0: sheddable) in flow control "
+                        "(repeatable; docs/routing.md)")
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                    help="the largest request body a Gateway may stream to the picker "
                         "(FULL_DUPLEX_STREAMED); 413 beyond")
@@ -56,10 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def default_tokenizer(core) -> None:
-    """A strategy that reads the prompt with no `--tokenizer` given: the bundled
+    """A routing plan that reads the prompt with no `--tokenizer` given: the bundled
     default model's tokenizer for that model (when installed); any other model's
     prompts through a pod's `/tokenize` (said at start-up)."""
-    if not core.strategy.uses_prompt or core.tokenizer.by_model or core.tokenizer.default:
+    if not core.plan.uses_prompt or core.tokenizer.by_model or core.tokenizer.default:
         return
     from sluice.default_model import (
         DEFAULT_SERVED_MODEL_NAME,
@@ -74,8 +83,8 @@ def default_tokenizer(core) -> None:
         path = None
     else:
         core.tokenizer = PromptTokenizer.from_paths([f"{DEFAULT_SERVED_MODEL_NAME}={path}"])
-    log.warning("no --tokenizer: --routing %s tokenizes %s prompts through a pod's "
-                "/tokenize (one more round trip per request)", core.strategy.name,
+    log.warning("no --tokenizer: routing %s tokenizes %s prompts through a pod's "
+                "/tokenize (one more round trip per request)", core.plan.name,
                 "every model's" if path is None else f"all but {DEFAULT_SERVED_MODEL_NAME}'s")
 
 
@@ -92,16 +101,23 @@ def serving_tls(args: argparse.Namespace):
 
 async def _serve(args: argparse.Namespace) -> None:
     from sluice.gateway.core import RoutingCore
-    from sluice.gateway.routing.pd import PDConfig
+    from sluice.gateway.flow.objectives import Objectives
+    from sluice.gateway.routing.registry import PluginError
     from sluice.gateway.server.api_keys import ApiKeys
     from sluice.gateway.server.grpc_server import PickerServer
 
-    core = RoutingCore(*routing_parts(args))
+    try:
+        core = RoutingCore(*routing_parts(args))
+    except PluginError as err:
+        raise SystemExit(f"routing configuration: {err}") from err
     default_tokenizer(core)
     limits = Limits(args.rate_limit_rpm, args.rate_limit_tpm)
+    try:
+        objectives = Objectives.from_specs(args.objective)
+    except ValueError as err:
+        raise SystemExit(f"--objective: {err}") from err
     server = PickerServer(core, PickerConfig(args.max_fallbacks, args.shed_waiting, limits,
-                                             PDConfig(args.pd_threshold_tokens),
-                                             args.max_body_bytes),
+                                             objectives, args.max_body_bytes),
                           args.host, args.grpc_port, args.metrics_port,
                           ApiKeys(args.api_key, args.api_keys_dir), serving_tls(args),
                           args.grpc_health_port)

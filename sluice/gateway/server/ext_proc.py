@@ -39,14 +39,16 @@ every coroutine runs on the one event loop.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from sluice.gateway.load.inflight import Attempt
-from sluice.gateway.routing.pd import NO_ROLES
-from sluice.gateway.routing.router import Decision
+from sluice.gateway.routing.plugins import RoutingRequest
+from sluice.gateway.routing.profiles.pd import NO_ROLES
+from sluice.gateway.routing.scheduler import Decision
 from sluice.gateway.server import messages as msg
 from sluice.gateway.server import streamed
 from sluice.gateway.server.api_keys import ApiKeys
@@ -56,8 +58,21 @@ from sluice.gateway.server.picker import ROUTES, EndpointPicker, Pick
 class _Exchange:
     """What one HTTP request's stream has learnt so far."""
 
-    __slots__ = ("attempt", "body", "decision", "key_name", "kind", "pd_outcome",
-                 "prefill_attempt", "streamed_response", "subset")
+    __slots__ = (
+        "answer",
+        "attempt",
+        "body",
+        "decision",
+        "headers",
+        "key_name",
+        "kind",
+        "model",
+        "pd_outcome",
+        "prefill_attempt",
+        "request",
+        "streamed_response",
+        "subset",
+    )
 
     def __init__(self) -> None:
         self.kind: str | None = None
@@ -65,11 +80,15 @@ class _Exchange:
         self.body: streamed.BodyBuffer | None = None
         self.streamed_response = False  # response body chunks must be given back
         self.key_name: str | None = None  # the client's API key, by name
+        self.headers: dict[str, str] = {}  # the routing headers present (ROUTING_HEADERS)
+        self.model: str | None = None  # a routed request's model (its flow-control pool)
+        self.request: RoutingRequest | None = None  # what the plugins were shown
+        self.answer: streamed.AnswerTiming | None = None  # a streamed answer's timing (PostResponse)
         self.subset: frozenset[str] | None = None  # the data plane's subset hint
         self.decision: Decision | None = None
         self.attempt: Attempt | None = None
         self.prefill_attempt: Attempt | None = None  # the prefill pod's (disaggregated)
-        self.pd_outcome: str | None = None  # `routing.pd`'s, in a pool with prefill pods
+        self.pd_outcome: str | None = None  # the P/D handler's, in a pool with prefill pods
 
 
 def decision_headers(d: Decision, pod: str) -> dict[str, str]:
@@ -112,6 +131,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     yield self._response_headers(ex, req)
                 elif phase == "response_body":
                     if ex.streamed_response:
+                        if ex.answer is not None:
+                            self._time_answer(ex, req.response_body)
                         for answer in streamed.body_chunks(
                                 req.response_body.body, req.response_body.end_of_stream,
                                 response=True):
@@ -132,12 +153,14 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 ex.attempt.done()
             if ex.prefill_attempt is not None:
                 ex.prefill_attempt.done()
+            if ex.model is not None:
+                self.picker.admission.finished(ex.model)
 
     def _request_headers(self, ex: _Exchange, req: pb.ProcessingRequest,
                          streamed_request: bool = False) -> pb.ProcessingResponse | None:
         """The answer to the request headers; None for a streamed completion, whose
         headers are answered when its body has come (`_streamed_body`)."""
-        method, path, authorization = msg.request_line(req.request_headers)
+        method, path, authorization = msg.request_line(req.request_headers, ex.headers)
         answer = self._request_line(ex, req, method, path, authorization,
                                     req.request_headers.end_of_stream)
         if answer is not None:
@@ -155,7 +178,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     async def _body_first(self, ex: _Exchange, req: pb.ProcessingRequest
                           ) -> pb.ProcessingResponse:
         """A completion's body with no headers message before it (BODY_FIRST_MODE)."""
-        line = msg.attributes_line(req)
+        line = msg.attributes_line(req, ex.headers)
         if line is None:  # (Envoy configured without the attributes: nothing to route on)
             return msg.immediate_error(500, "the gateway sent no request line")
         answer = self._request_line(ex, req, *line, empty=False)
@@ -249,17 +272,30 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         assert ex.kind is not None
         subset = msg.subset_hint(req)  # (on every message, or on the headers' only)
         result = await self.picker.pick(ex.kind, body,
-                                        ex.subset if subset is None else subset, ex.key_name)
+                                        ex.subset if subset is None else subset, ex.key_name,
+                                        ex.headers)
         if not isinstance(result, Pick):
             return msg.immediate_error(result.status, result.message, result.param,
                                        result.retry_after)
-        ex.decision = result.decision
+        ex.decision, ex.model, ex.request = result.decision, result.model, result.request
+        if self.picker.core.plan.post_response_hooks and ex.streamed_response:
+            ex.answer = streamed.AnswerTiming(time.perf_counter())
         ex.attempt = self.picker.start(result.decision)
         if result.prefill is not None:
             ex.prefill_attempt = self.picker.start(result.prefill)
         if result.pd_outcome != NO_ROLES:
             ex.pd_outcome = result.pd_outcome
         return result
+
+    def _time_answer(self, ex: _Exchange, body: pb.HttpBody) -> None:
+        """A chunk of a streamed answer: its first is the first token; at its end the
+        plan's PostResponse hooks are told (`routing.latency`)."""
+        t = ex.answer
+        if t.ended(body.body, body.end_of_stream) and ex.attempt is not None:
+            served = t.served(ex.attempt.d.pod, len(ex.request.token_ids))
+            for hook in self.picker.core.plan.post_response_hooks:
+                hook.post_response(ex.request, served)
+            ex.answer = None
 
     def _response_headers(self, ex: _Exchange, req: pb.ProcessingRequest
                           ) -> pb.ProcessingResponse:
@@ -281,6 +317,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         if served is None:  # Envoy's own answer: no engine was reached
             return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
         headers = decision_headers(ex.decision, served)
+        for plugin in self.picker.core.plan.response_header_plugins:
+            headers.update(plugin.response_headers(served))
         if ex.pd_outcome is not None:
             headers["x-sluice-pd"] = ex.pd_outcome
             if prefill_pod is not None:

@@ -108,6 +108,7 @@ class PickerServer:
         if self._reload is not None:
             self._reload.cancel()
         await self.health.enter_graceful_shutdown()
+        await self.picker.admission.close()  # (waiting requests are answered 429)
         await self.server.stop(grace_s)
         if self.health_server is not None:
             await self.health_server.stop(grace_s)

@@ -25,8 +25,10 @@ from sluice.gateway.envoy.listener import (
     ATTR_AUTHORIZATION,
     ATTR_METHOD,
     ATTR_PATH,
+    ATTR_ROUTING,
     PICKER_MODE,
     REQUEST_NAMESPACE,
+    ROUTING_HEADERS,
 )
 from sluice.openai_error import error_json
 
@@ -48,10 +50,14 @@ def header_value(h: HeaderValue) -> str:
     return h.raw_value.decode("latin-1") if h.raw_value else h.value
 
 
-def request_line(msg: pb.HttpHeaders) -> tuple[str, str, str | None]:
+_ROUTING = frozenset(ROUTING_HEADERS)
+
+
+def request_line(msg: pb.HttpHeaders, routing: dict[str, str] | None = None
+                 ) -> tuple[str, str, str | None]:
     """(method, path without the query, Authorization or None): what the picker reads
     of the request headers (names lower-case: Envoy sends them so), in one pass that
-    decodes nothing else."""
+    decodes nothing else; the `ROUTING_HEADERS` present go in `routing`."""
     method = path = ""
     authorization = None
     for h in msg.headers.headers:
@@ -62,19 +68,26 @@ def request_line(msg: pb.HttpHeaders) -> tuple[str, str, str | None]:
             path = header_value(h).split("?", 1)[0]
         elif key == "authorization":
             authorization = header_value(h)
+        elif routing is not None and key in _ROUTING:
+            routing[key] = header_value(h)
     return method, path, authorization
 
 
 _ATTRIBUTES = "envoy.filters.http.ext_proc"  # (the key Envoy files the attributes under)
 
 
-def attributes_line(req: pb.ProcessingRequest) -> tuple[str, str, str | None] | None:
+def attributes_line(req: pb.ProcessingRequest, routing: dict[str, str] | None = None
+                    ) -> tuple[str, str, str | None] | None:
     """`request_line` from the attributes Envoy sends with a completion's body (no headers
     message came first: listener.BODY_FIRST_MODE); None when it sent none."""
     attrs = req.attributes.get(_ATTRIBUTES)
     if attrs is None:
         return None
     fields = attrs.fields
+    if routing is not None:  # (only the headers present are sent)
+        for name, attr in zip(ROUTING_HEADERS, ATTR_ROUTING, strict=True):
+            if attr in fields:
+                routing[name] = fields[attr].string_value
     auth = fields.get(ATTR_AUTHORIZATION)
     return (fields[ATTR_METHOD].string_value if ATTR_METHOD in fields else "",
             fields[ATTR_PATH].string_value if ATTR_PATH in fields else "",

@@ -1,6 +1,6 @@
 """The endpoint picker's decision for one request, free of any wire protocol.
 
-`pick(kind, body, subset)`:
+`pick(kind, body, subset, key_name, headers)`:
 1. the body is checked (`requests.parse_request`): 400 on anything malformed;
 2. the model selects the pool: 404 for a model no engine ever served, 503 with
    Retry-After when none of its engines is ready;
@@ -9,12 +9,12 @@
 4. shedding: when every eligible pod's waiting queue is at `shed_waiting`, 429
    with Retry-After (the engines would queue it or refuse it themselves); and
    the API key's per-minute limits (`rate_limit.py`), counted after tokenizing;
-5. the prompt is tokenized (strategies that read it, and pools with prefill
-   pods, only; large prompts off the event loop; by a pod's `/tokenize` when the
-   picker has no tokenizer for the model) and the router chooses: the pod, then
-   up to `max_fallbacks` others, best first; in a pool with prefill pods, among
-   its decode-capable pods, plus a prefill pod when the prompt's uncached part
-   is long enough (`routing/pd.py`).
+5. the prompt is tokenized (when a plugin of the routing plan reads it, and in
+   pools with prefill pods; large prompts off the event loop; by a pod's
+   `/tokenize` when the picker has no tokenizer for the model) and the plan's
+   scheduler chooses (`routing/scheduler.py`): the pod, then up to
+   `max_fallbacks` others, best first, and in a pool with prefill pods a prefill
+   pod when its profile handler says so (`routing/profiles/pd.py`).
 
 In-flight accounting (`InFlight`) follows the pod that really served: the data
 plane reports it with the response, and `served()` moves the attempt there.
@@ -31,10 +31,14 @@ from dataclasses import dataclass, field
 
 from sluice.gateway.core import RoutingCore
 from sluice.gateway.discovery.pod_client import POD_ERRORS
+from sluice.gateway.discovery.static import PREFILL
 from sluice.gateway.envoy.listener import MAX_REQUEST_BYTES
+from sluice.gateway.flow.objectives import Objectives
 from sluice.gateway.load.inflight import Attempt
-from sluice.gateway.routing import pd
-from sluice.gateway.routing.router import Decision
+from sluice.gateway.routing.plugins import RoutingRequest
+from sluice.gateway.routing.profiles.pd import NO_ROLES
+from sluice.gateway.routing.scheduler import Decision
+from sluice.gateway.server.admission import Admission
 from sluice.gateway.server.rate_limit import Limits, RateLimiter
 from sluice.gateway.server.requests import BadRequest, parse_request
 
@@ -50,7 +54,7 @@ class PickerConfig:
     max_fallbacks: int = 2  # endpoints after the primary (Envoy's retries use them)
     shed_waiting: int = 1024  # every pod this deep in waiting requests: 429
     limits: Limits = field(default_factory=Limits)  # per API key, per minute (rate_limit.py)
-    disagg: pd.PDConfig = field(default_factory=pd.PDConfig)  # prefill/decode pools only
+    objectives: Objectives = field(default_factory=Objectives)  # priorities (admission.py)
     # A body a Gateway streams (FULL_DUPLEX_STREAMED) is gathered up to this: 413 beyond.
     # (A buffered body is bounded by our Envoy, with the same default.)
     max_body_bytes: int = MAX_REQUEST_BYTES
@@ -71,7 +75,9 @@ class Rejection:
 class Pick:
     decision: Decision
     prefill: Decision | None = None  # the prefill pod's, when the request is disaggregated
-    pd_outcome: str = pd.NO_ROLES    # `pd.route`'s outcome
+    pd_outcome: str = NO_ROLES       # the profile handler's outcome (`profiles/pd.py`)
+    model: str = ""                  # its pool's key in flow control
+    request: RoutingRequest | None = None  # what the routing plugins were shown
 
     @property
     def endpoints(self) -> tuple[str, ...]:
@@ -88,9 +94,11 @@ class EndpointPicker:
         self.core = core
         self.cfg = cfg
         self.limiter = RateLimiter(cfg.limits, core.redis.aio if core.redis else None)
+        self.admission = Admission(core, cfg.objectives)
 
     async def pick(self, kind: str, body: bytes, subset: frozenset[str] | None = None,
-                   key_name: str | None = None) -> Pick | Rejection:
+                   key_name: str | None = None,
+                   headers: dict[str, str] | None = None) -> Pick | Rejection:
         core = self.core
         try:
             data = parse_request(kind, body)
@@ -111,13 +119,22 @@ class EndpointPicker:
                 core.metrics.errors.labels("no_pod").inc()
                 return Rejection(503, "no eligible engine in the endpoint subset",
                                  retry_after=1)
-        decode_pods, prefill_pods = pd.split_roles(pods, core.registry.role_of)
+        decode_pods = [p for p in pods if core.registry.role_of(p) != PREFILL]
+        has_roles = len(decode_pods) < len(pods)
         if self._saturated(decode_pods or pods):
             core.metrics.errors.labels("shed").inc()
             return Rejection(429, f"every engine of {model!r} has {self.cfg.shed_waiting} "
                                   "or more requests waiting", retry_after=1)
+        headers = headers or {}
+        shed = await self.admission.admit(model, decode_pods or pods, key_name, headers,
+                                          len(body))
+        if shed is not None:
+            core.metrics.errors.labels("shed").inc()
+            return Rejection(shed.status, f"the engines of {model!r} are saturated: request "
+                                          f"not admitted ({shed.reason})",
+                             retry_after=shed.retry_after_s)
         started = time.perf_counter()
-        token_ids = await self._token_ids(kind, data, len(body), pods, bool(prefill_pods))
+        token_ids = await self._token_ids(kind, data, len(body), pods, has_roles)
         if key_name is not None and self.cfg.limits.any:
             # every prompt of the body (about 4 bytes a token where none was tokenized),
             # plus n completions of max_tokens each
@@ -128,19 +145,20 @@ class EndpointPicker:
                 return Rejection(429, f"rate limit of API key {key_name!r} reached for this "
                                       "minute", retry_after=wait_s)
         salt = data.get("cache_salt")
-        r = await pd.route(core.router, self.cfg.disagg, model, token_ids or [], pods,
-                           core.registry.role_of, salt if isinstance(salt, str) else None)
+        req = RoutingRequest(model, token_ids or [], salt if isinstance(salt, str) else None,
+                             headers, key_name)
+        r = await core.scheduler.schedule(req, pods)
         if r is None:
             core.metrics.errors.labels("no_pod").inc()
             return Rejection(503, "no healthy engine for this model", retry_after=1)
         d = r.decode
         core.metrics.route_seconds.observe(time.perf_counter() - started)
         core.metrics.decided(d.strategy, d.pod, d.hit_blocks, d.total_blocks)
-        if r.outcome != pd.NO_ROLES:
+        if r.outcome != NO_ROLES:
             core.metrics.pd_decided(r.outcome)
         if len(d.fallbacks) > self.cfg.max_fallbacks:
             d = dataclasses.replace(d, fallbacks=d.fallbacks[:self.cfg.max_fallbacks])
-        return Pick(d, r.prefill, r.outcome)
+        return Pick(d, r.prefill, r.outcome, model, req)
 
     def _saturated(self, pods: list[str]) -> bool:
         loads, now_ms, limit = self.core.loads, time.time() * 1000, self.cfg.shed_waiting
@@ -152,9 +170,9 @@ class EndpointPicker:
         """The prompt's ids: the picker's own tokenizer for the model, else the
         `/tokenize` of one of its pods (vLLM's endpoint, which our engine serves too);
         None (routing without prefix, counted as a `tokenize` error) when neither can.
-        Read when the strategy uses the prompt, or `for_pd` (its length decides)."""
+        Read when a plugin of the plan reads the prompt, or `for_pd` (its length decides)."""
         core = self.core
-        if not core.strategy.uses_prompt and not for_pd:
+        if not core.plan.uses_prompt and not for_pd:
             return None
         started = time.perf_counter()
         try:

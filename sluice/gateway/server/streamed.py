@@ -23,9 +23,12 @@ first message of each stream; our own Envoy (BUFFERED, or body first) keeps its 
 
 from __future__ import annotations
 
+import time
+
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from sluice.gateway.routing.plugins import Served
 from sluice.gateway.server.messages import KEY_NAME, LB_NAMESPACE
 
 FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
@@ -99,3 +102,30 @@ def body_chunks(body: bytes, end_of_stream: bool, response: bool = False
         answers.append(answer)
     return answers
 
+
+
+class AnswerTiming:
+    """A streamed answer's timing, chunk by chunk: the first chunk carries the first
+    token; each SSE `data:` event after it one more (vLLM streams a token, or a few, per
+    event); `[DONE]` is no token."""
+
+    __slots__ = ("events", "first", "routed")
+
+    def __init__(self, routed: float) -> None:
+        self.routed = routed  # perf_counter() when the picker decided
+        self.first: float | None = None
+        self.events = 0
+
+    def ended(self, chunk: bytes, end_of_stream: bool) -> bool:
+        """Count `chunk`; True at the answer's end."""
+        if self.first is None and chunk:
+            self.first = time.perf_counter()
+        self.events += chunk.count(b"data: ") - chunk.count(b"data: [DONE]")
+        return end_of_stream
+
+    def served(self, pod: str, prompt_tokens: int) -> Served:
+        now = time.perf_counter()
+        ttft = None if self.first is None else self.first - self.routed
+        tpot = ((now - self.first) / (self.events - 1)
+                if self.first is not None and self.events > 1 else None)
+        return Served(pod, prompt_tokens, ttft, tpot, max(self.events, 0))

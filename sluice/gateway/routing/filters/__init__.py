@@ -1,0 +1,1 @@
+"""Filters: which candidates a profile considers (`plugins.Filter`)."""

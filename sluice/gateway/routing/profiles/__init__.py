@@ -1,0 +1,1 @@
+"""Profile handlers: which profiles a request runs, and their combined result."""

@@ -1,0 +1,29 @@
+"""GIE's queue-scorer."""
+
+from __future__ import annotations
+
+from sluice.gateway.routing.candidate import Candidate
+from sluice.gateway.routing.plugin_context import PluginContext
+from sluice.gateway.routing.plugins import RoutingRequest
+from sluice.gateway.routing.registry import NoParams, plugin
+
+
+def min_max(values: list[float]) -> list[float]:
+    """(max - v) / (max - min) per value; 1 for all when they are equal (GIE's scorers)."""
+    lo, hi = min(values, default=0.0), max(values, default=0.0)
+    return [1.0 if hi == lo else (hi - v) / (hi - lo) for v in values]
+
+
+@plugin("queue-scorer", NoParams)
+class QueueScorer:
+    """score = (max waiting - waiting) / (max waiting - min waiting) over the candidates
+    (the pods' `vllm:num_requests_waiting`); 1 for all when equal. A pod whose load is
+    unknown counts as the longest queue."""
+
+    def __init__(self, name: str, params: NoParams, ctx: PluginContext) -> None:
+        self.name = name
+
+    def score(self, req: RoutingRequest, cands: list[Candidate]) -> list[float]:
+        known = [c.waiting for c in cands if c.waiting is not None]
+        worst = max(known, default=0.0) + 1.0
+        return min_max([c.waiting if c.waiting is not None else worst for c in cands])

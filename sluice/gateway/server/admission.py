@@ -1,0 +1,78 @@
+"""Admission of a request to its pool when the pool is saturated (GIE's admission and
+flow control), before the picker tokenizes and schedules it.
+
+1. Priority and tenant come from the request (`flow.objectives`).
+2. The pool is saturated when no decode-capable pod has room by the plan's saturation
+   detector (`flow.saturation`). A pod's waiting queue is judged as the larger of its
+   scraped one and this picker's requests in flight to it beyond those it was seen
+   running: the in-flight count moves at once, a scrape only every 150 ms, so a burst
+   admitted on one scrape would otherwise overrun the pool.
+3. With flow control on (the configuration's `flowControl`, feature gate
+   `flowControl`): the request waits its turn while the pool is saturated, highest
+   priority first and tenants in turn, or is shed with 429 (503 when it waited out its
+   TTL) and Retry-After (`flow.controller`).
+4. Without it (GIE's admission): a sheddable request (priority < 0) of a saturated pool
+   is refused with 429; others pass. The plan's admitters (`probabilistic-admitter`)
+   may refuse sheddable requests before that.
+A finished request tells flow control that its pool may have room (`finished`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+from sluice.gateway.core import RoutingCore
+from sluice.gateway.flow.controller import FlowController, Shed
+from sluice.gateway.flow.objectives import Objectives, fairness_id
+from sluice.gateway.flow.saturation import SaturationDetector
+
+
+class Admission:
+    def __init__(self, core: RoutingCore, objectives: Objectives) -> None:
+        self.core = core
+        self.objectives = objectives
+        plan = core.plan
+        self.detector = SaturationDetector(plan.saturation_detector)
+        self.flow = (FlowController(plan.flow_control, core.metrics.registry)
+                     if plan.flow_control is not None else None)
+        self.admitters = [p for p in plan.plugins.values() if hasattr(p, "admit_sheddable")]
+
+    def rows(self, pods: list[str]) -> list[dict[str, float] | None]:
+        """The pods' load rows, their waiting queues raised to this picker's in-flight
+        requests beyond the running ones (see the module docstring, 2)."""
+        core, now = self.core, time.time() * 1000.0
+        out: list[dict[str, float] | None] = []
+        for p in pods:
+            row = core.loads.row(p, now)
+            if row is not None:
+                extra = core.flight.inflight.get(p, 0) - row["running"]
+                if extra > row["waiting"]:
+                    row = {**row, "waiting": float(extra)}
+            out.append(row)
+        return out
+
+    def saturated(self, pods: list[str]) -> bool:
+        return self.detector.saturated(self.rows(pods), time.time() * 1000.0)
+
+    async def admit(self, model: str, pods: list[str], api_key: str | None,
+                    headers: Mapping[str, str], size: int) -> Shed | None:
+        """None: go on; else why the request is refused (see the module docstring)."""
+        priority = self.objectives.priority(model, api_key, headers)
+        if self.flow is not None:
+            got = await self.flow.admit(model, priority, fairness_id(api_key, headers),
+                                        lambda: self.saturated(pods), size)
+            return got if isinstance(got, Shed) else None
+        if priority >= 0:
+            return None
+        if any(not a.admit_sheddable(self.rows(pods)) for a in self.admitters):
+            return Shed("sheddable", 1)
+        return Shed("sheddable", 1) if self.saturated(pods) else None
+
+    def finished(self, model: str) -> None:
+        if self.flow is not None:
+            self.flow.notify(model)
+
+    async def close(self) -> None:
+        if self.flow is not None:
+            await self.flow.close()
