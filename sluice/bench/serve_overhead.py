@@ -20,7 +20,9 @@ prompt each, so no tokenization is reused) along each path, in one run:
   tokenization, index lookup and scoring;
 - `envoy_picker_rr_streamed`, `envoy_picker_streamed`: the same two pickers behind Envoy's
   ext_proc configured as GIE Gateways configure it (`_as_gateway`: FULL_DUPLEX_STREAMED
-  bodies, no mode override, no buffering), against ours (buffered, completions body first).
+  bodies, no mode override, no buffering), against ours (buffered, completions body first);
+- `envoy_picker_base`: `envoy_picker` with the picker of another checkout
+  (`--baseline-src DIR`): a before/after comparison of the picker in one run.
 
 The stream is cut into `--rounds` parts; in each round every path takes its turn
 with the next part (in reverse order every other round), so a machine whose speed
@@ -45,6 +47,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import subprocess
 import sys
@@ -109,7 +112,7 @@ def _phases(envoy, n: int) -> dict[str, float]:
 
 
 def _start_path(name: str, up_port: int, redis_url: str, routing: str, extra: list[str],
-                procs: list, phases: bool = False) -> _Path:
+                procs: list, phases: bool = False, baseline_src: str | None = None) -> _Path:
     from sluice.default_model import resolve_model
     from sluice.gateway.envoy.bootstrap import EnvoyConfig, render_bootstrap
     from sluice.gateway.envoy.listener import HOLD_HEADERS
@@ -142,10 +145,13 @@ def _start_path(name: str, up_port: int, redis_url: str, routing: str, extra: li
         if name.endswith("_streamed"):
             _as_gateway(bootstrap)
         picker_routing = "round_robin" if name.startswith("envoy_picker_rr") else routing
-        procs.append(subprocess.Popen([sys.executable, "-m", "sluice.cli", "epp", "--host",
-                                       "127.0.0.1", "--grpc-port", str(grpc_port),
-                                       "--metrics-port", str(metrics_port), "--routing",
-                                       picker_routing, *common, *extra]))
+        base = name == "envoy_picker_base"
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "sluice.cli", "epp", "--host", "127.0.0.1", "--grpc-port",
+             str(grpc_port), "--metrics-port", str(metrics_port), "--routing", picker_routing,
+             *common, *extra],
+            cwd=baseline_src if base else None,
+            env={**os.environ, "PYTHONPATH": baseline_src} if base else None))
         pid, metrics = procs[-1].pid, f"http://127.0.0.1:{metrics_port}"
         _wait(metrics + "/metrics")
     if phases:
@@ -195,7 +201,7 @@ def _wait_routed(url: str, timeout: float = 60) -> None:
 
 
 PATHS = ("direct", "envoy", "envoy_stub", "envoy_picker_rr", "envoy_picker",
-         "envoy_picker_rr_streamed", "envoy_picker_streamed")
+         "envoy_picker_rr_streamed", "envoy_picker_streamed", "envoy_picker_base")
 
 
 def main() -> int:
@@ -209,6 +215,10 @@ def main() -> int:
     p.add_argument("--gateway-arg", action="append", default=[],
                    help="extra argument of `sluice epp` (repeatable, "
                         "e.g. --gateway-arg=--speculative-flush-ms=50)")
+    p.add_argument("--baseline-src", default=None, metavar="DIR",
+                   help="path envoy_picker_base: envoy_picker with the picker of another "
+                        "checkout (e.g. `git worktree add DIR COMMIT`), for a before/after "
+                        "comparison in one run")
     p.add_argument("--phases", action="store_true",
                    help="also Envoy's timing of each ext_proc exchange (an access log)")
     p.add_argument("--fake-upstream", type=int, default=None, help=argparse.SUPPRESS)
@@ -224,6 +234,7 @@ def main() -> int:
     paths = args.paths.split(",")
     assert paths[0] == "direct" and set(paths) <= set(PATHS), paths
     assert 1 <= args.rounds <= args.requests, args.rounds
+    assert ("envoy_picker_base" in paths) == bool(args.baseline_src), "--baseline-src"
     up_port, redis_port = free_ports(2)
     procs: list = [subprocess.Popen([sys.executable, "-m", "sluice.bench.serve_overhead",
                                      "--fake-upstream", str(up_port)]),
@@ -240,7 +251,7 @@ def main() -> int:
         for name in paths:
             started[name] = _Path(up) if name == "direct" else _start_path(
                 name, up_port, f"redis://127.0.0.1:{redis_port}/0", args.routing,
-                args.gateway_arg, procs, args.phases)
+                args.gateway_arg, procs, args.phases, args.baseline_src)
             asyncio.run(drive(started[name].url, [maker.text(200) for _ in range(100)], 50,
                               1))  # warm
         runs = {name: Run(started[name]) for name in paths}
