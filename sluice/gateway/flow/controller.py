@@ -79,7 +79,11 @@ class FlowController:
         self._seq = itertools.count()
 
     async def admit(self, pool: str, priority: int, tenant: str,
-                    saturated: Callable[[], bool], size: int = 0) -> Admitted | Shed:
+                    saturated: Callable[[], bool], size: int = 0,
+                    on_dispatch: Callable[[], None] | None = None) -> Admitted | Shed:
+        """`on_dispatch`: called when a queued request is released, before the
+        dispatcher checks `saturated()` again (so that it can count the request, which
+        has not reached a pod yet)."""
         q = self.pools.get(pool)
         sat = None
         if q is None or q.ahead(priority) == 0:
@@ -98,7 +102,8 @@ class FlowController:
         for v in victims:
             self._end(q, v, "evicted")
         loop = asyncio.get_running_loop()
-        item = Item(next(self._seq), tenant, priority, size, self.clock(), loop.create_future())
+        item = Item(next(self._seq), tenant, priority, size, self.clock(), loop.create_future(),
+                    on_dispatch=on_dispatch)
         q.push(item)
         self.metrics.queued(pool, priority, size, +1)
         if self.config.default_request_ttl_s:
@@ -168,6 +173,8 @@ class FlowController:
                 continue
             q.released(self.clock())
             self._end(q, item, "dispatched")
+            if item.on_dispatch is not None:
+                item.on_dispatch()
 
     def _expire(self, q: PoolQueues, item: Item) -> None:
         if q.holds(item):

@@ -28,6 +28,7 @@ class Item:
     enqueued: float  # monotonic seconds
     future: asyncio.Future
     timer: asyncio.TimerHandle | None = None  # its TTL
+    on_dispatch: Callable[[], None] | None = None  # called as it is released
 
 
 class Band:

@@ -51,6 +51,12 @@ class RoutingPlan:
         return next((p for p in self.plugins.values() if hasattr(p, "renew")), None)
 
     @cached_property
+    def request_headers(self) -> frozenset[str]:
+        """The request headers (lower-case) plugins read (`reads_headers`)."""
+        return frozenset().union(*(getattr(p, "reads_headers", ()) for p in
+                                   self.plugins.values()))
+
+    @cached_property
     def response_header_plugins(self) -> list:
         """Plugins that add headers to the answer (session affinity's token)."""
         return [p for p in self.plugins.values() if hasattr(p, "response_headers")]

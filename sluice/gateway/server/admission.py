@@ -14,11 +14,15 @@ flow control), before the picker tokenizes and schedules it.
 4. Without it (GIE's admission): a sheddable request (priority < 0) of a saturated pool
    is refused with 429; others pass. The plan's admitters (`probabilistic-admitter`)
    may refuse sheddable requests before that.
-A finished request tells flow control that its pool may have room (`finished`).
+A request released from a queue is *placing* until the picker has started it on a pod
+(`placed`): while one is, its pool counts as saturated, so one freed slot releases one
+request, not every request queued before the in-flight count catches up. A finished
+request tells flow control that its pool may have room (`finished`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Mapping
 
@@ -37,6 +41,7 @@ class Admission:
         self.flow = (FlowController(plan.flow_control, core.metrics.registry)
                      if plan.flow_control is not None else None)
         self.admitters = [p for p in plan.plugins.values() if hasattr(p, "admit_sheddable")]
+        self._placing: dict[str, int] = {}  # model -> released requests not yet started
 
     def rows(self, pods: list[str]) -> list[dict[str, float] | None]:
         """The pods' load rows, their waiting queues raised to this picker's in-flight
@@ -56,18 +61,43 @@ class Admission:
         return self.detector.saturated(self.rows(pods), time.time() * 1000.0)
 
     async def admit(self, model: str, pods: list[str], api_key: str | None,
-                    headers: Mapping[str, str], size: int) -> Shed | None:
-        """None: go on; else why the request is refused (see the module docstring)."""
+                    headers: Mapping[str, str], size: int) -> Shed | bool:
+        """A Shed: why the request is refused (see the module docstring); else whether it
+        was queued (then the caller calls `placed(model)` once it started or failed)."""
         priority = self.objectives.priority(model, api_key, headers)
         if self.flow is not None:
-            got = await self.flow.admit(model, priority, fairness_id(api_key, headers),
-                                        lambda: self.saturated(pods), size)
-            return got if isinstance(got, Shed) else None
+            dispatched = False
+
+            def placing() -> None:
+                nonlocal dispatched
+                dispatched = True
+                self._placing[model] = self._placing.get(model, 0) + 1
+
+            try:
+                got = await self.flow.admit(
+                    model, priority, fairness_id(api_key, headers),
+                    lambda: self._placing.get(model, 0) > 0 or self.saturated(pods), size,
+                    placing)
+            except asyncio.CancelledError:  # (released, then the client went away)
+                if dispatched:
+                    self.placed(model)
+                raise
+            return got if isinstance(got, Shed) else dispatched
         if priority >= 0:
-            return None
+            return False
         if any(not a.admit_sheddable(self.rows(pods)) for a in self.admitters):
             return Shed("sheddable", 1)
-        return Shed("sheddable", 1) if self.saturated(pods) else None
+        return Shed("sheddable", 1) if self.saturated(pods) else False
+
+    def placed(self, model: str) -> None:
+        """A request released from the queue was started on a pod, or refused."""
+        n = self._placing[model] - 1
+        assert n >= 0, model
+        if n:
+            self._placing[model] = n
+        else:
+            del self._placing[model]
+        self.finished(model)
 
     def finished(self, model: str) -> None:
         if self.flow is not None:

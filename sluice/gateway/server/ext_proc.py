@@ -102,6 +102,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def __init__(self, picker: EndpointPicker, keys: ApiKeys | None = None) -> None:
         self.picker = picker
         self.keys = keys or ApiKeys()
+        # the routing headers, and those the routing plan's plugins read
+        self.wanted = msg.ROUTING | picker.core.plan.request_headers
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
                       context) -> AsyncIterator[pb.ProcessingResponse]:
@@ -160,7 +162,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                          streamed_request: bool = False) -> pb.ProcessingResponse | None:
         """The answer to the request headers; None for a streamed completion, whose
         headers are answered when its body has come (`_streamed_body`)."""
-        method, path, authorization = msg.request_line(req.request_headers, ex.headers)
+        method, path, authorization = msg.request_line(req.request_headers, ex.headers,
+                                                       self.wanted)
         answer = self._request_line(ex, req, method, path, authorization,
                                     req.request_headers.end_of_stream)
         if answer is not None:

@@ -50,14 +50,14 @@ def header_value(h: HeaderValue) -> str:
     return h.raw_value.decode("latin-1") if h.raw_value else h.value
 
 
-_ROUTING = frozenset(ROUTING_HEADERS)
+ROUTING = frozenset(ROUTING_HEADERS)
 
 
-def request_line(msg: pb.HttpHeaders, routing: dict[str, str] | None = None
-                 ) -> tuple[str, str, str | None]:
+def request_line(msg: pb.HttpHeaders, routing: dict[str, str] | None = None,
+                 wanted: frozenset[str] = ROUTING) -> tuple[str, str, str | None]:
     """(method, path without the query, Authorization or None): what the picker reads
     of the request headers (names lower-case: Envoy sends them so), in one pass that
-    decodes nothing else; the `ROUTING_HEADERS` present go in `routing`."""
+    decodes nothing else; the `wanted` headers present go in `routing`."""
     method = path = ""
     authorization = None
     for h in msg.headers.headers:
@@ -68,7 +68,7 @@ def request_line(msg: pb.HttpHeaders, routing: dict[str, str] | None = None
             path = header_value(h).split("?", 1)[0]
         elif key == "authorization":
             authorization = header_value(h)
-        elif routing is not None and key in _ROUTING:
+        elif routing is not None and key in wanted:
             routing[key] = header_value(h)
     return method, path, authorization
 

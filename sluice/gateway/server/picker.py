@@ -7,9 +7,12 @@
 3. the subset hint, when the data plane gives one, narrows the pool: an empty
    or ineligible subset is a 503;
 4. shedding: when every eligible pod's waiting queue is at `shed_waiting`, 429
-   with Retry-After (the engines would queue it or refuse it themselves); and
-   the API key's per-minute limits (`rate_limit.py`), counted after tokenizing;
-5. the prompt is tokenized (when a plugin of the routing plan reads it, and in
+   with Retry-After (the engines would queue it or refuse it themselves);
+5. admission (`admission.py`): a saturated pool's request waits its turn by
+   priority and tenant (flow control), or is refused with 429 (503 when it
+   waited out its TTL); then the API key's per-minute limits (`rate_limit.py`),
+   counted after tokenizing;
+6. the prompt is tokenized (when a plugin of the routing plan reads it, and in
    pools with prefill pods; large prompts off the event loop; by a pod's
    `/tokenize` when the picker has no tokenizer for the model) and the plan's
    scheduler chooses (`routing/scheduler.py`): the pod, then up to
@@ -33,6 +36,7 @@ from sluice.gateway.core import RoutingCore
 from sluice.gateway.discovery.pod_client import POD_ERRORS
 from sluice.gateway.discovery.static import PREFILL
 from sluice.gateway.envoy.listener import MAX_REQUEST_BYTES
+from sluice.gateway.flow.controller import Shed
 from sluice.gateway.flow.objectives import Objectives
 from sluice.gateway.load.inflight import Attempt
 from sluice.gateway.routing.plugins import RoutingRequest
@@ -126,13 +130,25 @@ class EndpointPicker:
             return Rejection(429, f"every engine of {model!r} has {self.cfg.shed_waiting} "
                                   "or more requests waiting", retry_after=1)
         headers = headers or {}
-        shed = await self.admission.admit(model, decode_pods or pods, key_name, headers,
-                                          len(body))
-        if shed is not None:
+        queued = await self.admission.admit(model, decode_pods or pods, key_name, headers,
+                                            len(body))
+        if isinstance(queued, Shed):
             core.metrics.errors.labels("shed").inc()
-            return Rejection(shed.status, f"the engines of {model!r} are saturated: request "
-                                          f"not admitted ({shed.reason})",
-                             retry_after=shed.retry_after_s)
+            return Rejection(queued.status, f"the engines of {model!r} are saturated: "
+                                            f"request not admitted ({queued.reason})",
+                             retry_after=queued.retry_after_s)
+        try:
+            return await self._route(kind, data, body, model, pods, has_roles, key_name,
+                                     headers)
+        finally:
+            if queued:
+                self.admission.placed(model)
+
+    async def _route(self, kind: str, data: dict, body: bytes, model: str, pods: list[str],
+                     has_roles: bool, key_name: str | None,
+                     headers: dict[str, str]) -> Pick | Rejection:
+        """Tokenize, rate-limit, schedule (steps 5 (its limits) and 6 of the module docstring)."""
+        core = self.core
         started = time.perf_counter()
         token_ids = await self._token_ids(kind, data, len(body), pods, has_roles)
         if key_name is not None and self.cfg.limits.any:

@@ -57,6 +57,9 @@ class SessionAffinityScorer:
                 raise PluginError(f"{name}: a session source is {{header: NAME}} or "
                                   f"{{attribute: {API_KEY}}}, not {s!r}")
         self.ttl_s = float(cfg.get("evictionTtlSeconds", 300))
+        # the request headers the picker must pass on to this plugin
+        self.reads_headers = frozenset([self.header, *(s["header"].lower()
+                                                       for s in self.sources if "header" in s)])
         self._pods: OrderedDict[str, tuple[str, float]] = OrderedDict()  # session -> pod
 
     def session(self, req: RoutingRequest) -> str | None:
