@@ -201,3 +201,51 @@ def test_gateway_disabled_renders_none_of_it():
     names = {m["metadata"]["name"] for m in manifests}
     assert not names & {"rel-sluice-gateway", "rel-sluice-picker", "rel-sluice-engines",
                         "rel-sluice-picker-headless"}
+
+
+EPP_CONFIG = {"apiVersion": "llm-d.ai/v1alpha1", "kind": "EndpointPickerConfig",
+              "plugins": [{"type": "queue-scorer"}, {"type": "prefix-cache-scorer"}],
+              "schedulingProfiles": [{"name": "default", "plugins": [
+                  {"pluginRef": "queue-scorer", "weight": 2},
+                  {"pluginRef": "prefix-cache-scorer", "weight": 3}]}]}
+
+
+def _picker_routing(*flags: str) -> tuple[list[str], dict, list[dict]]:
+    """(The picker's args, its pod spec, the manifests) of `helm template` with `flags`."""
+    out = helm("template", "rel", str(CHART), *flags)
+    assert out.returncode == 0, out.stderr
+    manifests = [d for d in yaml.safe_load_all(out.stdout) if d]
+    pod = _pod(manifests, "rel-sluice-picker")
+    return pod["containers"][0]["args"], pod, manifests
+
+
+def test_picker_config_inline_or_from_a_configmap_reaches_sluice_epp():
+    import json
+
+    from sluice.gateway.routing.config import load_plan
+    from sluice.gateway.routing.plugin_context import PluginContext
+
+    args, pod, manifests = _picker_routing()  # the default: a shipped configuration
+    assert "--routing=$(SLUICE_ROUTING)" in args and not any(
+        a.startswith(("--config", "--pd-threshold-tokens")) for a in args)
+    args, pod, manifests = _picker_routing("--set-json",
+                                           f"picker.config.inline={json.dumps(EPP_CONFIG)}")
+    assert "--config=/etc/sluice/routing/config.yaml" in args
+    assert not any(a.startswith("--routing") for a in args)
+    data = _get(manifests, "ConfigMap", "rel-sluice-picker-routing")["data"]["config.yaml"]
+    assert yaml.safe_load(data) == EPP_CONFIG
+    assert load_plan(yaml.safe_load(data), "chart", PluginContext()).profiles  # loads
+    volume = next(v for v in pod["volumes"] if v["name"] == "routing")
+    assert volume["configMap"]["name"] == "rel-sluice-picker-routing"
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "routing")
+    assert (mount["mountPath"], mount["readOnly"]) == ("/etc/sluice/routing", True)
+    assert "checksum/routing" in _get(manifests, "Deployment", "rel-sluice-picker")[
+        "spec"]["template"]["metadata"]["annotations"]
+    args, pod, _ = _picker_routing("--set", "picker.config.configMap.name=mine",
+                                   "--set", "picker.config.configMap.key=epp.yaml")
+    assert "--config=/etc/sluice/routing/epp.yaml" in args
+    assert next(v for v in pod["volumes"] if v["name"] == "routing")["configMap"][
+        "name"] == "mine"
+    both = helm("template", "rel", str(CHART), "--set", "picker.config.configMap.name=mine",
+                "--set-json", f"picker.config.inline={json.dumps(EPP_CONFIG)}")
+    assert both.returncode != 0 and "not both" in both.stderr

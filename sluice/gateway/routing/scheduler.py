@@ -7,8 +7,8 @@
 2. The plan's data producers fill what scorers read (the prefix producers: each
    candidate's predicted hits), once per request, over every candidate.
 3. The plan's profile handler names the profiles to run, is shown their results, and
-   names more until it names none (GIE's loop); each profile runs over its own copies
-   of the candidates (`profile.py`).
+   names more until it names none (GIE's loop); each profile runs over the
+   candidates (`profile.py`).
 4. The handler's result names the primary profile (its target is the destination,
    its ranking the fallbacks, then the pods soft filters set aside) and, for a
    disaggregated request, the prefill profile (its target is named in
@@ -22,7 +22,6 @@ is a KV producer and refuses to decode for a client.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -103,8 +102,8 @@ class Scheduler:
         while names := plan.handler.pick_profiles(req, plan.profiles, results):
             for name in names:
                 assert name not in results, f"profile {name!r} ran twice"
-                results[name], aside[name] = plan.profiles[name].run(
-                    req, [dataclasses.replace(c) for c in cands])
+                # (profiles only read the candidates: they share them)
+                results[name], aside[name] = plan.profiles[name].run(req, cands)
         sched = plan.handler.process_results(req, results)
         target = sched.target
         if target is None or target.target.role == PREFILL:

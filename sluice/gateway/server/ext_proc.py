@@ -32,7 +32,7 @@ then carries the request line as attributes; the same checks run on it, and the
 body answer's header changes travel as metadata (`messages.body_first`). A
 Gateway that sends the headers first (GIE's protocol) gets the flow above.
 
-State: each stream owns its `_Exchange`; shared state is the picker's, and
+State: each stream owns its `Exchange`; shared state is the picker's, and
 every coroutine runs on the one event loop.
 """
 
@@ -45,57 +45,12 @@ from collections.abc import AsyncIterator
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from sluice.gateway.load.inflight import Attempt
-from sluice.gateway.routing.plugins import RoutingRequest
 from sluice.gateway.routing.profiles.pd import NO_ROLES
-from sluice.gateway.routing.scheduler import Decision
 from sluice.gateway.server import messages as msg
 from sluice.gateway.server import streamed
 from sluice.gateway.server.api_keys import ApiKeys
+from sluice.gateway.server.exchange import Exchange, decision_headers
 from sluice.gateway.server.picker import ROUTES, EndpointPicker, Pick
-
-
-class _Exchange:
-    """What one HTTP request's stream has learnt so far."""
-
-    __slots__ = (
-        "answer",
-        "attempt",
-        "body",
-        "decision",
-        "headers",
-        "key_name",
-        "kind",
-        "model",
-        "pd_outcome",
-        "prefill_attempt",
-        "request",
-        "streamed_response",
-        "subset",
-    )
-
-    def __init__(self) -> None:
-        self.kind: str | None = None
-        # A streamed request body being gathered (None: buffered, or not a completion)
-        self.body: streamed.BodyBuffer | None = None
-        self.streamed_response = False  # response body chunks must be given back
-        self.key_name: str | None = None  # the client's API key, by name
-        self.headers: dict[str, str] = {}  # the routing headers present (ROUTING_HEADERS)
-        self.model: str | None = None  # a routed request's model (its flow-control pool)
-        self.request: RoutingRequest | None = None  # what the plugins were shown
-        self.answer: streamed.AnswerTiming | None = None  # a streamed answer's timing (PostResponse)
-        self.subset: frozenset[str] | None = None  # the data plane's subset hint
-        self.decision: Decision | None = None
-        self.attempt: Attempt | None = None
-        self.prefill_attempt: Attempt | None = None  # the prefill pod's (disaggregated)
-        self.pd_outcome: str | None = None  # the P/D handler's, in a pool with prefill pods
-
-
-def decision_headers(d: Decision, pod: str) -> dict[str, str]:
-    return {"x-sluice-pod": pod, "x-sluice-prefix-hit-blocks": str(d.hit_blocks if
-                                                                   pod == d.pod else 0),
-            "x-sluice-prompt-blocks": str(d.total_blocks), "x-sluice-strategy": d.strategy,
-            "x-sluice-index": d.index_mode}
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
@@ -107,7 +62,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
                       context) -> AsyncIterator[pb.ProcessingResponse]:
-        ex = _Exchange()
+        ex = Exchange()
         first = True
         streamed_request = False
         try:
@@ -158,7 +113,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             if ex.model is not None:
                 self.picker.admission.finished(ex.model)
 
-    def _request_headers(self, ex: _Exchange, req: pb.ProcessingRequest,
+    def _request_headers(self, ex: Exchange, req: pb.ProcessingRequest,
                          streamed_request: bool = False) -> pb.ProcessingResponse | None:
         """The answer to the request headers; None for a streamed completion, whose
         headers are answered when its body has come (`_streamed_body`)."""
@@ -178,7 +133,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         return msg.continue_request_headers(remove=(*msg.PICKER_HEADERS, "authorization"),
                                             key_name=ex.key_name)
 
-    async def _body_first(self, ex: _Exchange, req: pb.ProcessingRequest
+    async def _body_first(self, ex: Exchange, req: pb.ProcessingRequest
                           ) -> pb.ProcessingResponse:
         """A completion's body with no headers message before it (BODY_FIRST_MODE)."""
         line = msg.attributes_line(req, ex.headers)
@@ -194,7 +149,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                               else (*msg.PICKER_HEADERS, "authorization"),
                               key_name=ex.key_name)
 
-    def _request_line(self, ex: _Exchange, req: pb.ProcessingRequest, method: str, path: str,
+    def _request_line(self, ex: Exchange, req: pb.ProcessingRequest, method: str, path: str,
                       authorization: str | None, empty: bool) -> pb.ProcessingResponse | None:
         """The answer the request line and the API key decide on their own; None for a
         completion to route (`ex` then knows its kind, key and subset hint)."""
@@ -225,7 +180,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         core.metrics.errors.labels("not_found").inc()
         return msg.immediate_error(404, f"no route {path}")
 
-    async def _request_body(self, ex: _Exchange, req: pb.ProcessingRequest
+    async def _request_body(self, ex: Exchange, req: pb.ProcessingRequest
                             ) -> pb.ProcessingResponse:
         if ex.kind is None:  # a body on a request already answered
             return msg.REQUEST_BODY_CONTINUE
@@ -236,7 +191,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                             engine_auth=self.picker.core.http.authorization,
                             prefiller=result.prefiller)
 
-    async def _streamed_body(self, ex: _Exchange, req: pb.ProcessingRequest
+    async def _streamed_body(self, ex: Exchange, req: pb.ProcessingRequest
                              ) -> list[pb.ProcessingResponse]:
         """A chunk of a streamed body (or the trailers that end it): nothing until the
         body is whole or too large; then the answers to the headers and the body."""
@@ -268,7 +223,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         # (trailers follow the body: its last chunk does not end the stream)
         return [headers, *streamed.body_chunks(body, not req.HasField("request_trailers"))]
 
-    async def _pick(self, ex: _Exchange, req: pb.ProcessingRequest, body: bytes
+    async def _pick(self, ex: Exchange, req: pb.ProcessingRequest, body: bytes
                     ) -> Pick | pb.ProcessingResponse:
         """The picker's decision on the whole `body` (its in-flight accounting started), or
         the immediate answer that refuses the request."""
@@ -290,7 +245,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             ex.pd_outcome = result.pd_outcome
         return result
 
-    def _time_answer(self, ex: _Exchange, body: pb.HttpBody) -> None:
+    def _time_answer(self, ex: Exchange, body: pb.HttpBody) -> None:
         """A chunk of a streamed answer: its first is the first token; at its end the
         plan's PostResponse hooks are told (`routing.latency`)."""
         t = ex.answer
@@ -300,7 +255,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 hook.post_response(ex.request, served)
             ex.answer = None
 
-    def _response_headers(self, ex: _Exchange, req: pb.ProcessingRequest
+    def _response_headers(self, ex: Exchange, req: pb.ProcessingRequest
                           ) -> pb.ProcessingResponse:
         if ex.decision is None or ex.attempt is None:
             return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
