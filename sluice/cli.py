@@ -20,6 +20,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "engine"), "sluice.bench.engine", "offline engine throughput / latency"),
     (("bench", "serve"), "sluice.bench.serve", "drive an OpenAI endpoint with a workload"),
     (("bench", "soak"), "sluice.bench.soak", "long mixed load through the local stack, with faults"),
+    (("bench", "flow"), "sluice.bench.flow_control",
+     "priorities and tenants under saturation, with and without flow control"),
     (("bench", "step"), "sluice.bench.step_profile", "where a decode step's time goes"),
     (("bench", "structured"), "sluice.bench.structured",
      "what structured outputs add to a decode step"),

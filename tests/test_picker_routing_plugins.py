@@ -74,7 +74,8 @@ def test_a_session_stays_on_its_pod_while_eligible_and_moves_when_drained(header
 def test_flow_control_serves_priorities_in_order_and_tenants_in_turn():
     """One engine; 2 requests in flight saturate it (queueDepthThreshold 1, counting the
     picker's own in-flight requests). Held streams keep requests in flight; each one
-    ended frees room for exactly one queued request."""
+    ended frees room for exactly one queued request. A request held over a second asks
+    the data plane, once, to wait longer for its answer."""
     doc = {**API, "featureGates": ["flowControl"],
            "plugins": [{"type": "queue-scorer"}],
            "saturationDetector": {"queueDepthThreshold": 1, "kvCacheUtilThreshold": 1.0,
@@ -120,6 +121,9 @@ def test_flow_control_serves_priorities_in_order_and_tenants_in_turn():
             send("a6", "batch", "a")  # its band is full, and nothing is lower
             shed = answer("a6")
             assert shed.immediate_response.status.code == 429
+            for name in queued:  # held over a second: the data plane is asked to wait
+                keepalive = answer(name, timeout=5)
+                assert keepalive.override_message_timeout.seconds == 60, keepalive
             order = []
             while queued:
                 streams[in_flight.pop(0)][0].put(None)  # the oldest request ends

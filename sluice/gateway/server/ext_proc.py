@@ -49,7 +49,7 @@ from sluice.gateway.routing.profiles.pd import NO_ROLES
 from sluice.gateway.server import messages as msg
 from sluice.gateway.server import streamed
 from sluice.gateway.server.api_keys import ApiKeys
-from sluice.gateway.server.exchange import Exchange, decision_headers
+from sluice.gateway.server.exchange import Exchange, decision_headers, patient
 from sluice.gateway.server.picker import ROUTES, EndpointPicker, Pick
 
 
@@ -59,6 +59,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self.keys = keys or ApiKeys()
         # the routing headers, and those the routing plan's plugins read
         self.wanted = msg.ROUTING | picker.core.plan.request_headers
+        self.queues = picker.admission.flow is not None  # answers may wait (flow control)
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
                       context) -> AsyncIterator[pb.ProcessingResponse]:
@@ -77,11 +78,15 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 elif phase == "request_body":
                     body = req.request_body
                     if ex.body is not None:
-                        for answer in await self._streamed_body(ex, req):
-                            yield answer
+                        work = self._streamed_body(ex, req)
                     elif body.end_of_stream:
-                        yield await (self._body_first(ex, req) if first else
-                                     self._request_body(ex, req))
+                        work = (self._body_first(ex, req) if first else
+                                self._request_body(ex, req))
+                    else:
+                        work = None
+                    if work is not None:
+                        async for answer in patient(self.queues, work):
+                            yield answer
                     else:  # (STREAMED without full duplex is not configured: refuse)
                         yield msg.immediate_error(400, "the request body must be buffered")
                 elif phase == "response_headers":
@@ -97,10 +102,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     else:
                         yield msg.RESPONSE_BODY_CONTINUE
                 elif phase == "request_trailers":
-                    answers = [] if ex.body is None else await self._streamed_body(ex, req)
-                    for answer in answers:  # (trailers end a streamed body)
-                        yield answer
-                    if not answers or not answers[0].HasField("immediate_response"):
+                    refused = False
+                    if ex.body is not None:  # (trailers end a streamed body)
+                        async for answer in patient(self.queues, self._streamed_body(ex, req)):
+                            refused = refused or answer.HasField("immediate_response")
+                            yield answer
+                    if not refused:
                         yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
                 elif phase == "response_trailers":
                     yield msg.RESPONSE_TRAILERS_CONTINUE

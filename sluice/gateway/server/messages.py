@@ -145,6 +145,13 @@ def continue_request_headers(remove: tuple[str, ...] = (),
     return answer
 
 
+# Sent, once, for a request flow control holds: "wait up to this long for my answer" (Envoy
+# honours it up to its max_message_timeout: 60 s in Sluice's Envoy, flow control's TTL).
+QUEUED_MESSAGE_TIMEOUT_S = 60
+QUEUED_KEEPALIVE = pb.ProcessingResponse(
+    override_message_timeout={"seconds": QUEUED_MESSAGE_TIMEOUT_S})
+
+
 # Headers a client must never set: the picker alone chooses the pods.
 PICKER_HEADERS = (DESTINATION, PREFILLER)
 # An open gateway's answer to every completion's headers: the same bytes each time.
