@@ -23,6 +23,7 @@ from sluice.gateway.flow import (
     Shed,
 )
 from sluice.gateway.flow.config import GLOBAL_STRICT, ROUND_ROBIN
+from sluice.gateway.flow.saturation import ConcurrencyDetectorConfig
 
 POOL = "pool-a"
 
@@ -34,7 +35,7 @@ class Gate:
     def __init__(self, permits: int = 0) -> None:
         self.permits = permits
 
-    def __call__(self) -> bool:
+    def __call__(self, priority: int = 0) -> bool:
         if self.permits <= 0:
             return True
         self.permits -= 1
@@ -66,7 +67,7 @@ def sample(fc, name, **labels):
 def test_admitted_at_once_when_not_saturated():
     async def scenario():
         fc = controller()
-        got = await fc.admit(POOL, 0, "t", lambda: False)
+        got = await fc.admit(POOL, 0, "t", lambda p: False)
         assert got == Admitted(0.0)
         assert fc.queued(POOL) == 0 and POOL not in fc.pools  # no queue was even made
         return fc
@@ -195,7 +196,7 @@ def test_the_byte_limit_evicts_as_many_lower_requests_as_it_takes():
 def test_a_request_that_waits_out_its_ttl_is_shed():
     async def scenario():
         fc = controller(default_request_ttl_s=0.05)
-        got = await fc.admit(POOL, 0, "a", lambda: True)
+        got = await fc.admit(POOL, 0, "a", lambda p: True)
         assert got.reason == "ttl" and got.status == 503 and got.waited_s >= 0.05
         assert fc.queued(POOL) == 0
         fc.check_invariants()
@@ -248,9 +249,9 @@ def test_notify_releases_at_once_without_waiting_for_the_poll():
 def test_sheddable_requests_are_refused_at_once_while_saturated():
     async def scenario():
         fc = controller()
-        got = await fc.admit(POOL, -1, "a", lambda: True)
+        got = await fc.admit(POOL, -1, "a", lambda p: True)
         assert got.reason == "sheddable" and got.status == 429 and fc.queued(POOL) == 0
-        assert await fc.admit(POOL, -1, "a", lambda: False) == Admitted(0.0)
+        assert await fc.admit(POOL, -1, "a", lambda p: False) == Admitted(0.0)
         # shed_sheddable=False (GIE's flow control from v1.3): it waits, below priority 0
         fc, gate = controller(shed_sheddable=False), Gate()
         tasks = await enqueue(fc, gate, [(-1, "a"), (0, "b")])
@@ -268,7 +269,7 @@ def test_pools_queue_apart():
     async def scenario():
         fc, busy = controller(), Gate()
         (waiter,) = await enqueue(fc, busy, [(0, "a")], pool="busy")
-        assert await fc.admit("idle", 0, "a", lambda: False) == Admitted(0.0)
+        assert await fc.admit("idle", 0, "a", lambda p: False) == Admitted(0.0)
         assert fc.queued("busy") == 1 and fc.queued("idle") == 0
         await fc.close()
         assert (await waiter).reason == "evicted"
@@ -397,7 +398,7 @@ pollInterval: 20ms
 def test_metrics_count_every_outcome_once():
     async def scenario():
         fc, gate = controller(max_requests=1, default_request_ttl_s=0.5), Gate()
-        await fc.admit(POOL, 1, "a", lambda: False)                    # at once
+        await fc.admit(POOL, 1, "a", lambda p: False)                    # at once
         (waiter,) = await enqueue(fc, gate, [(1, "a")])                # queued, then out
         assert sample(fc, "inference_extension_flow_control_queue_size",
                       inference_pool=POOL, priority="1") == 1
@@ -418,3 +419,54 @@ def test_metrics_count_every_outcome_once():
                   reason="sheddable") == 1
     assert sample(fc, "inference_extension_flow_control_queue_size",
                   inference_pool=POOL, priority="1") == 0
+
+
+def test_a_full_round_robin_band_evicts_the_flooding_tenants_newest():
+    async def scenario():
+        fc = controller(priority_bands=(PriorityBandConfig(priority=0, max_requests=4),))
+        waiting = [asyncio.ensure_future(fc.admit(POOL, 0, "a", lambda p: True))
+                   for _ in range(4)]
+        await eventually(lambda: fc.queued(POOL) == 4, timeout=1, every_s=0.001)
+        b = asyncio.ensure_future(fc.admit(POOL, 0, "b", lambda p: True))
+        newest_a = await waiting[-1]  # a's newest made room for b's first
+        assert isinstance(newest_a, Shed) and newest_a.reason == "evicted"
+        assert fc.queued(POOL) == 4
+        b2 = asyncio.ensure_future(fc.admit(POOL, 0, "b", lambda p: True))  # a 3, b 1
+        await eventually(lambda: waiting[2].done(), timeout=1, every_s=0.001)
+        assert waiting[2].result().reason == "evicted" and not waiting[1].done()
+        got = await fc.admit(POOL, 0, "b", lambda p: True)  # a 2, b 2: b is refused
+        assert isinstance(got, Shed) and got.reason == "capacity"
+        assert fc.queued(POOL) == 4 and not b.done() and not b2.done()
+        fc.check_invariants()
+        await fc.close()
+    run(scenario)
+
+
+def test_usage_limits_hold_lower_priorities_back_first():
+    static = FlowControlConfig(usage_threshold=0.8)
+    assert static.ceiling(10) == static.ceiling(-5) == 0.8
+    holdback = FlowControlConfig(holdback_min=0.6, priority_bands=(
+        PriorityBandConfig(priority=10), PriorityBandConfig(priority=5),
+        PriorityBandConfig(priority=0)))
+    assert [holdback.ceiling(p) for p in (10, 5, 0)] == [1.0, 0.8, pytest.approx(0.6)]
+
+    async def scenario():  # saturation 0.7: priority 10 and 5 pass, 0 waits
+        fc = controller(holdback_min=0.6, priority_bands=holdback.priority_bands)
+        sat = lambda p: 0.7 >= fc.config.ceiling(p)
+        assert await fc.admit(POOL, 10, "a", sat) == Admitted(0.0)
+        assert await fc.admit(POOL, 5, "a", sat) == Admitted(0.0)
+        low = asyncio.ensure_future(fc.admit(POOL, 0, "a", sat))
+        await eventually(lambda: fc.queued(POOL) == 1, timeout=1, every_s=0.001)
+        assert not low.done()
+        await fc.close()
+    run(scenario)
+
+
+def test_the_concurrency_detector_scores_in_flight_over_capacity():
+    c = ConcurrencyDetectorConfig.from_dict({"maxConcurrency": 8, "concurrencyMode": "requests"})
+    assert (c.score(12, 2), c.score(0, 0)) == (0.75, 1.0)
+    with pytest.raises(ValueError, match="concurrencyMode"):
+        ConcurrencyDetectorConfig.from_dict({"concurrencyMode": "tokens"})
+    d = SaturationDetector(SaturationDetectorConfig())
+    assert d.score([row(waiting=5, kv=0.4), row(waiting=0, kv=0.8)], NOW) == 1.0
+    assert d.score([row(waiting=1, kv=0.4), None], NOW) == pytest.approx(0.75)

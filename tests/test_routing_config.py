@@ -30,7 +30,7 @@ REFUSED = {
     "llmd-epd.yaml": "encode-filter",
     "llmd-flow-control-program-aware.yaml": "program-aware-fairness",
     "llmd-flow-control-soft-reflective-ceiling.yaml": "soft-reflective-ceiling-policy",
-    "llmd-guide-flow-control-priority-bands.yaml": "concurrency-detector",
+    "llmd-guide-flow-control-priority-bands.yaml": "enableEviction",  # in-flight eviction
 }
 
 

@@ -1,13 +1,16 @@
 """Flow control under saturation, through the whole local stack (`sluice up`: Redis,
 engines, the picker, Envoy), with and without it, in one run.
 
-    sluice bench flow [--engines 2] [--seconds 40] [--high-rate 0.5] [--low-rates 12,4,4]
+    sluice bench flow [--engines 2] [--slots 8] [--seconds 40] [--high-rate 0.5]
+        [--low-rates 12,8,8]
 
 Two stacks, one after the other, alike but for the picker's configuration: least_load's
-plugins plus a saturation detector (`queueDepthThreshold` 2, `kvCacheUtilThreshold` 0.8),
-and `--objective interactive=10 --objective batch=0`; `flow_control` also turns on the
-`flowControl` gate (round-robin fairness between tenants, 100 queued batch requests at
-most, `defaultRequestTTL` 60s); `no_flow_control` does not. Each stack serves two phases:
+plugins plus a `concurrency-detector` (maxConcurrency = each engine's `--max-num-seqs`,
+`--slots`), and `--objective interactive=10 --objective batch=0`; `flow_control` also
+turns on the `flowControl` gate (round-robin fairness between tenants, 100 queued batch
+requests at most, `defaultRequestTTL` 60s, `priority-holdback-policy` minCeiling 0.75:
+batch requests wait once 3/4 of the slots are busy, interactive ones only when all
+are); `no_flow_control` does not. Each stack serves two phases:
 - `unloaded`: interactive requests alone (priority 10), Poisson at `--high-rate`;
 - `loaded`: the same interactive stream plus batch requests (priority 0) of three
   tenants (fairness ids a, b, c), Poisson at `--low-rates` each, more than the engines
@@ -41,31 +44,38 @@ OBJECTIVES = ("interactive=10", "batch=0")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", type=int, default=2)
-    p.add_argument("--engine-args", default="--num-threads 1 --max-num-seqs 8",
-                   help="extra `sluice engine` flags (one string)")
+    p.add_argument("--slots", type=int, default=8,
+                   help="each engine's --max-num-seqs, the detector's maxConcurrency")
+    p.add_argument("--engine-args", default="--num-threads 1",
+                   help="more `sluice engine` flags (one string)")
     p.add_argument("--seconds", type=float, default=40.0, help="each phase's length")
     p.add_argument("--high-rate", type=float, default=0.5, help="interactive requests/s")
-    p.add_argument("--low-rates", default="12,4,4", help="batch requests/s of tenants a,b,c")
+    p.add_argument("--low-rates", default="12,8,8", help="batch requests/s of tenants a,b,c")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prompt-words", type=int, default=60)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-json", default=None)
 
 
-def epp_config(flow: bool) -> dict:
-    """least_load's plugins, the saturation detector, and (`flow`) flow control."""
+def epp_config(flow: bool, slots: int) -> dict:
+    """least_load's plugins, a concurrency detector of the engines' `slots`, and (`flow`)
+    flow control holding batch back at 3/4 of them (priority-holdback-policy)."""
     doc = {"apiVersion": "llm-d.ai/v1alpha1", "kind": "EndpointPickerConfig",
            "plugins": [{"type": "request-queue-scorer"}, {"type": "kv-cache-utilization-scorer"},
-                       {"type": "utilization-detector", "parameters": {
-                           "queueDepthThreshold": 2, "kvCacheUtilThreshold": 0.8}}],
+                       {"type": "concurrency-detector", "parameters": {
+                           "maxConcurrency": slots}},
+                       {"type": "priority-holdback-policy", "parameters": {
+                           "minCeiling": 0.75}}],
            "schedulingProfiles": [{"name": "default", "plugins": [
                {"pluginRef": "request-queue-scorer", "weight": 2},
                {"pluginRef": "kv-cache-utilization-scorer", "weight": 2}]}],
-           "saturationDetector": {"pluginRef": "utilization-detector"}}
+           "saturationDetector": {"pluginRef": "concurrency-detector"}}
     if flow:
         doc["featureGates"] = ["flowControl"]
-        doc["flowControl"] = {"defaultRequestTTL": "60s", "priorityBands": [
-            {"priority": 10}, {"priority": 0, "maxRequests": 100}]}
+        doc["flowControl"] = {"defaultRequestTTL": "60s",
+                              "usageLimitPolicyPluginRef": "priority-holdback-policy",
+                              "priorityBands": [{"priority": 10},
+                                                {"priority": 0, "maxRequests": 100}]}
     return doc
 
 
@@ -145,10 +155,11 @@ def run_stack(name: str, flow: bool, args) -> list[dict]:
 
     path = os.path.join(tempfile.mkdtemp(prefix="sluice-flow-"), "epp.yaml")
     with open(path, "w") as f:
-        yaml.safe_dump(epp_config(flow), f)
+        yaml.safe_dump(epp_config(flow, args.slots), f)
     gateway = ["--config", path, *(f"--objective={o}" for o in OBJECTIVES)]
+    engine_args = (*args.engine_args.split(), "--max-num-seqs", str(args.slots))
     stack = LocalStack(StackConfig(engines=args.engines, routing="least_load",
-                                   port=free_port(), engine_args=tuple(args.engine_args.split()),
+                                   port=free_port(), engine_args=engine_args,
                                    gateway_args=tuple(gateway), log_level="warning"),
                        out=sys.stderr)
     rows = []
@@ -176,10 +187,11 @@ def run_stack(name: str, flow: bool, args) -> list[dict]:
 
 
 def main(args: argparse.Namespace) -> int:
-    print(f"stacks: {args.engines} engines ({args.engine_args}); picker: least_load's "
-          f"scorers, saturationDetector queueDepthThreshold 2 kvCacheUtilThreshold 0.8, "
+    print(f"stacks: {args.engines} engines ({args.engine_args} --max-num-seqs {args.slots}); "
+          f"picker: least_load's scorers, concurrency-detector maxConcurrency {args.slots}, "
           f"objectives {', '.join(OBJECTIVES)}; flow_control adds featureGates "
-          f"[flowControl] (round-robin tenants, batch band 100 requests, TTL 60s)")
+          f"[flowControl] (round-robin tenants, batch band 100 requests, TTL 60s, "
+          f"priority-holdback-policy minCeiling 0.75: batch waits at 3/4 of the slots)")
     rows = run_stack("flow_control", True, args) + run_stack("no_flow_control", False, args)
     for r in rows:
         print(json.dumps(r))

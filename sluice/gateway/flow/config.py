@@ -84,6 +84,14 @@ class FlowControlConfig:
     # priority 0, as GIE's flow control does from v1.3.
     shed_sheddable: bool = True
     max_retry_after_s: int = 60  # the longest Retry-After a shed request is told
+    # The usage limit: a request of a priority is dispatched while the pool's saturation
+    # is below its ceiling. static-usage-limit-policy: `usage_threshold` for every
+    # priority; priority-holdback-policy (`holdback_min` set): linear over the ranks of
+    # the configured priorities, from 1.0 (`holdback_max`) at the highest to holdback_min
+    # at the lowest, so lower priorities stop while higher ones still have room.
+    usage_threshold: float = 1.0
+    holdback_min: float | None = None
+    holdback_max: float = 1.0
 
     FIELDS = ("maxBytes", "maxRequests", "defaultRequestTTL", "defaultPriorityBand",
               "priorityBands", "usageLimitPolicyPluginRef",
@@ -95,6 +103,18 @@ class FlowControlConfig:
         assert self.max_retry_after_s >= 1
         priorities = [b.priority for b in self.priority_bands]
         assert len(set(priorities)) == len(priorities), f"priorities twice: {priorities}"
+        assert 0 < self.usage_threshold <= 1.0 and 0 < self.holdback_max <= 1.0
+        assert self.holdback_min is None or 0 < self.holdback_min <= self.holdback_max
+
+    def ceiling(self, priority: int) -> float:
+        """The saturation below which a request of `priority` is dispatched."""
+        if self.holdback_min is None:
+            return self.usage_threshold
+        ranks = sorted({b.priority for b in self.priority_bands} | {priority}, reverse=True)
+        if len(ranks) == 1:
+            return self.holdback_max
+        i = ranks.index(priority)
+        return self.holdback_max - i * (self.holdback_max - self.holdback_min) / (len(ranks) - 1)
 
     def band(self, priority: int) -> PriorityBandConfig:
         """The configured band of `priority`, else the default band's template."""
@@ -119,9 +139,8 @@ class FlowControlConfig:
                 if kw[attr] < 0 or (attr == "poll_interval_s" and kw[attr] == 0):
                     raise ConfigError(f"flowControl.{key}: out of range: {d[key]!r}")
         if d.get("usageLimitPolicyPluginRef"):
-            raise ConfigError("flowControl.usageLimitPolicyPluginRef: usage limit policies "
-                             "are not supported (a pool is dispatched to while it is not "
-                             "saturated, GIE's static policy at threshold 1.0)")
+            raise ConfigError("flowControl.usageLimitPolicyPluginRef: name a configured "
+                             "static-usage-limit-policy or priority-holdback-policy plugin")
         if "shedSheddable" in d:
             if not isinstance(d["shedSheddable"], bool):
                 raise ConfigError(f"flowControl.shedSheddable: true or false, "

@@ -49,17 +49,24 @@ class FlowController:
     """Admission to saturated pools, GIE's flow control (`pkg/epp/flowcontrol`).
 
     1. A request is admitted at once when nothing of its pool waits at its priority or
-       above and the pool is not saturated: the fast path, O(1), no queue touched.
+       above and the pool is not saturated for its priority (`saturated(p)`: the
+       pool's saturation against the priority's usage limit, `FlowControlConfig
+       .ceiling`): the fast path, O(1), no queue touched.
     2. Else a sheddable request (priority < 0, `shed_sheddable`) of a saturated pool is
        shed (429).
     3. Else it waits in its priority's band, in its tenant's FIFO, if its band has room
-       (`max_requests`, `max_bytes`; else shed, "capacity") and the pool has room, or
-       can make it by evicting the newest requests of the lowest priorities strictly
-       below its own ("evicted"; if even all of them would not do, it is shed itself).
-    4. A pool's dispatcher runs while requests wait: while `saturated()` (the latest
-       admit()'s callable) says no, it releases the next request: the highest band
-       first, within a band by its fairness policy (`queues.Band`), calling
-       `saturated()` again after each: a detector that counts the picker's in-flight
+       (`max_requests`, `max_bytes`) and the pool has room, or can make it by evicting
+       the newest requests of the lowest priorities strictly below its own
+       ("evicted"; if even all of them would not do, it is shed itself, "capacity"). A
+       full round-robin band makes room by evicting the newest request of the tenant
+       with the most waiting, when it has two more than the newcomer's (else the
+       newcomer is shed): one tenant's flood cannot shut the others out of the band.
+    4. A pool's dispatcher runs while requests wait: while `saturated(p)` (the latest
+       admit()'s callable) says no for the priority p of the next request, it releases
+       it: the highest band first, within a band by its fairness policy
+       (`queues.Band`); the next request waits (head of line) while its priority is
+       over its limit. It calls `saturated` again after each: a detector that counts
+       the picker's in-flight
        requests stops it after the right number (one that reads only scraped load lets
        every waiting request go until the next scrape). It looks again every
        `poll_interval_s`, on `notify(pool)` and on each new arrival.
@@ -79,24 +86,30 @@ class FlowController:
         self._seq = itertools.count()
 
     async def admit(self, pool: str, priority: int, tenant: str,
-                    saturated: Callable[[], bool], size: int = 0,
+                    saturated: Callable[[int], bool], size: int = 0,
                     on_dispatch: Callable[[], None] | None = None) -> Admitted | Shed:
-        """`on_dispatch`: called when a queued request is released, before the
-        dispatcher checks `saturated()` again (so that it can count the request, which
+        """`saturated(p)`: whether the pool is too busy for a request of priority p (its
+        usage limit). `on_dispatch`: called when a queued request is released, before
+        the dispatcher checks `saturated` again (so that it can count the request, which
         has not reached a pod yet)."""
         q = self.pools.get(pool)
         sat = None
         if q is None or q.ahead(priority) == 0:
-            if not saturated():
+            if not saturated(priority):
                 self.metrics.ended(pool, priority, "dispatched", 0.0)
                 return AT_ONCE
             sat = True
-        if priority < 0 and self.config.shed_sheddable and (sat or saturated()):
+        if priority < 0 and self.config.shed_sheddable and (sat or saturated(priority)):
             return self._refuse(pool, priority, "sheddable", q)
         assert size >= 0, size
         if q is None:
             q = self.pools[pool] = PoolQueues(pool, self.config)
-        victims = q.victims(priority, size) if q.band(priority).fits(size) else None
+        band = q.band(priority)
+        if band.fits(size):
+            victims = q.victims(priority, size)
+        else:  # (its band is full: room only at the expense of a tenant with more queued)
+            victim = band.fair_victim(tenant)
+            victims = None if victim is None or victim.size < size else [victim]
         if victims is None:
             return self._refuse(pool, priority, "capacity", q)
         for v in victims:
@@ -163,7 +176,7 @@ class FlowController:
     def _release(self, q: PoolQueues) -> None:
         while q.total:
             try:
-                if q.saturated():
+                if q.saturated(q.top_priority()):  # (head of line: the next one waits)
                     return
             except Exception:  # the detector's bug must not strand the queue: fail open
                 log.exception("saturation check of pool %r failed; releasing", q.name)

@@ -64,6 +64,19 @@ class Band:
             del self.flows[item.tenant]
         self.bytes -= item.size
 
+    def fair_victim(self, tenant: str) -> Item | None:
+        """Round-robin bands, full: the newest request of the tenant with the most
+        waiting, when it has at least two more than `tenant` (whose new request would
+        take its place): a flooding tenant fills the band, never shuts the others out.
+        None: the newcomer is the one to refuse."""
+        if self.cfg.fairness_policy == GLOBAL_STRICT or not self.flows:
+            return None
+        top, fifo = max(self.flows.items(), key=lambda kv: len(kv[1]))
+        mine = len(self.flows.get(tenant, ()))
+        if top == tenant or len(fifo) < mine + 2:
+            return None
+        return next(reversed(fifo.values()))
+
     def pick(self) -> Item:
         """The next request to serve (the caller removes it); the band is not empty."""
         if self.cfg.fairness_policy == GLOBAL_STRICT:
@@ -83,7 +96,8 @@ class PoolQueues:
         self.order: list[int] = []  # priorities, highest first
         self.total = 0
         self.bytes = 0
-        self.saturated: Callable[[], bool] = lambda: True  # the latest admit()'s
+        # the latest admit()'s: is the pool too busy for a request of this priority?
+        self.saturated: Callable[[int], bool] = lambda priority: True
         self.wake = asyncio.Event()
         self.task: asyncio.Task | None = None  # the dispatcher, while items wait
         self.drain_s = 0.0  # mean time between releases (EWMA): Retry-After's estimate
@@ -135,6 +149,10 @@ class PoolQueues:
         self.bands[item.priority].remove(item)
         self.total -= 1
         self.bytes -= item.size
+
+    def top_priority(self) -> int:
+        """The priority of the next request to serve. The pool is not empty."""
+        return next(p for p in self.order if self.bands[p].items)
 
     def pick(self) -> Item:
         """The next request to serve: the highest band's pick. The pool is not empty."""

@@ -9,6 +9,7 @@ from typing import Any
 from sluice.gateway.flow.fields import ConfigError, check_fields, duration_s
 
 UTILIZATION_DETECTOR = "utilization-detector"  # GIE v1.5's plugin type of these thresholds
+CONCURRENCY_DETECTOR = "concurrency-detector"
 
 
 @dataclass(frozen=True)
@@ -20,8 +21,10 @@ class SaturationDetectorConfig:
     kv_cache_util_threshold: float = 0.8  # KV-cache usage, 0..1, a pod may hold and take more
     # GIE scrapes every 50 ms; older rows may hide a pod that has filled up since.
     metrics_staleness_threshold_s: float = 0.2
+    headroom: float = 0.0  # (as a profile's filter: how far past the thresholds a pod may go)
 
-    FIELDS = ("queueDepthThreshold", "kvCacheUtilThreshold", "metricsStalenessThreshold")
+    FIELDS = ("queueDepthThreshold", "kvCacheUtilThreshold", "metricsStalenessThreshold",
+              "headroom")
 
     def __post_init__(self) -> None:
         assert self.queue_depth_threshold > 0, self.queue_depth_threshold
@@ -51,13 +54,19 @@ class SaturationDetectorConfig:
             if s <= 0:
                 raise ConfigError(f"{where}: must be positive, got {s}s")
             kw["metrics_staleness_threshold_s"] = s
+        if "headroom" in d:
+            v = d["headroom"]
+            if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
+                raise ConfigError(f"saturationDetector.headroom: >= 0, got {v!r}")
+            kw["headroom"] = float(v)
         return cls(**kw)
 
     @classmethod
-    def from_epp(cls, epp: dict[str, Any]) -> SaturationDetectorConfig:
+    def from_epp(cls, epp: dict[str, Any]) -> SaturationDetectorConfig | ConcurrencyDetectorConfig:
         """From a whole EndpointPickerConfig: v1.4's inline section, or v1.5's
-        `saturationDetector: {pluginRef}` naming a `utilization-detector` plugin (absent:
-        the plugin named `utilization-detector`, if any, else the defaults)."""
+        `saturationDetector: {pluginRef}` naming a `utilization-detector` or
+        `concurrency-detector` plugin (absent: the plugin named `utilization-detector`,
+        if any, else the defaults)."""
         section = epp.get("saturationDetector") or {}
         if "pluginRef" not in section:
             if section:
@@ -68,14 +77,53 @@ class SaturationDetectorConfig:
             ref, required = section["pluginRef"], True
         for spec in epp.get("plugins") or ():
             if spec.get("name", spec.get("type")) == ref:
+                if spec.get("type") == CONCURRENCY_DETECTOR:
+                    return ConcurrencyDetectorConfig.from_dict(spec.get("parameters"))
                 if spec.get("type") != UTILIZATION_DETECTOR:
                     raise ConfigError(f"saturationDetector.pluginRef {ref!r}: type "
                                      f"{spec.get('type')!r} is not supported; known types: "
-                                     f"{UTILIZATION_DETECTOR}")
+                                     f"{UTILIZATION_DETECTOR}, {CONCURRENCY_DETECTOR}")
                 return cls.from_dict(spec.get("parameters"))
         if required:
             raise ConfigError(f"saturationDetector.pluginRef {ref!r}: no such plugin")
         return cls()
+
+
+@dataclass(frozen=True)
+class ConcurrencyDetectorConfig:
+    """GIE's `concurrency-detector` (requests mode): a pool's saturation is the requests in
+    flight to it over its capacity, `maxConcurrency` per pod."""
+
+    max_concurrency: int = 100
+    headroom: float = 0.0  # (as a profile's filter: how far past maxConcurrency a pod may go)
+
+    FIELDS = ("concurrencyMode", "maxConcurrency", "maxTokenConcurrency", "headroom",
+              "inFlightLoadProducerName")
+
+    def __post_init__(self) -> None:
+        assert self.max_concurrency > 0 and self.headroom >= 0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> ConcurrencyDetectorConfig:
+        d = check_fields(d, cls.FIELDS, CONCURRENCY_DETECTOR)
+        if d.get("concurrencyMode", "requests") != "requests":
+            raise ConfigError(f"{CONCURRENCY_DETECTOR}.concurrencyMode: only 'requests' "
+                             f"is supported, got {d['concurrencyMode']!r}")
+        kw: dict[str, Any] = {}
+        v = d.get("maxConcurrency", 100)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ConfigError(f"{CONCURRENCY_DETECTOR}.maxConcurrency: a positive integer, "
+                             f"got {v!r}")
+        kw["max_concurrency"] = v
+        h = d.get("headroom", 0.0)
+        if isinstance(h, bool) or not isinstance(h, int | float) or h < 0:
+            raise ConfigError(f"{CONCURRENCY_DETECTOR}.headroom: >= 0, got {h!r}")
+        kw["headroom"] = float(h)
+        return cls(**kw)
+
+    def score(self, inflight: int, pods: int) -> float:
+        """`inflight` requests over the capacity of `pods` pods; 1 for no pod at all."""
+        return inflight / (pods * self.max_concurrency) if pods else 1.0
 
 
 class SaturationDetector:
@@ -101,3 +149,17 @@ class SaturationDetector:
 
     def saturated(self, rows: Sequence[dict[str, float] | None], now_ms: float) -> bool:
         return not any(self.has_capacity(row, now_ms) for row in rows)
+
+    def score(self, rows: Sequence[dict[str, float] | None], now_ms: float) -> float:
+        """GIE v1.5's saturation: the mean over pods of max(waiting / queue threshold, KV
+        usage / KV threshold), 1 for a pod whose load is unknown or stale; 1 for no pod."""
+        if not rows:
+            return 1.0
+        c, total = self.config, 0.0
+        for row in rows:
+            if row is None or now_ms - row["ts_ms"] > self._stale_ms:
+                total += 1.0
+            else:
+                total += max(row["waiting"] / c.queue_depth_threshold,
+                             row["kv_usage"] / c.kv_cache_util_threshold)
+        return total / len(rows)

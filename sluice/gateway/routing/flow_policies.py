@@ -9,7 +9,13 @@
 - `round-robin-fairness-policy`, `global-strict-fairness-policy`: how a priority band
   is shared between tenants (`flow.queues`);
 - `fcfs-ordering-policy`: a tenant's requests in arrival order;
-- `static-usage-limit-policy`: dispatch while the pool is not saturated (threshold 1).
+- `concurrency-detector`: GIE's other saturation detector, the requests in flight to
+  the pool over `maxConcurrency` per pod; in a profile, a soft filter keeping the pods
+  with fewer than `maxConcurrency` x (1 + headroom) of this picker's requests in flight;
+- `static-usage-limit-policy`: every priority is dispatched while the pool's
+  saturation is below `threshold`;
+- `priority-holdback-policy`: the limit falls linearly over the priorities' ranks, from
+  `maxCeiling` for the highest to `minCeiling` for the lowest (`flow.config`).
 """
 
 from __future__ import annotations
@@ -57,11 +63,49 @@ class UtilizationDetector:
 
 
 @dataclass(frozen=True)
+class ConcurrencyParams:
+    concurrency_mode: str = "requests"
+    max_concurrency: int = 100
+    max_token_concurrency: int = 1_000_000  # (the tokens mode's; not served)
+    headroom: float = 0.0
+    IGNORED = ("inFlightLoadProducerName",)
+
+    def __post_init__(self) -> None:
+        assert self.concurrency_mode == "requests", "concurrencyMode: only 'requests'"
+        assert self.max_concurrency > 0 and self.headroom >= 0
+
+
+@plugin("concurrency-detector", ConcurrencyParams)
+class ConcurrencyDetector:
+    """See the module docstring."""
+
+    def __init__(self, name: str, params: ConcurrencyParams, ctx: PluginContext) -> None:
+        self.name = name
+        self.limit = params.max_concurrency * (1.0 + params.headroom)
+
+    def filter(self, req: RoutingRequest, cands: list[Candidate]) -> list[Candidate]:
+        kept = [c for c in cands if c.inflight < self.limit]
+        return kept or cands
+
+
+@dataclass(frozen=True)
 class UsageLimitParams:
     threshold: float = 1.0
 
     def __post_init__(self) -> None:
-        assert self.threshold == 1.0, "only threshold 1.0 (dispatch until saturated)"
+        assert 0 < self.threshold <= 1.0
+
+
+@dataclass(frozen=True)
+class HoldbackParams:
+    min_ceiling: float = 0.0  # required (> 0)
+    max_ceiling: float = 1.0
+    shape: str = "linear"
+    domain: str = "rank"
+
+    def __post_init__(self) -> None:
+        assert 0 < self.min_ceiling <= self.max_ceiling <= 1.0, "0 < minCeiling <= maxCeiling <= 1"
+        assert (self.shape, self.domain) == ("linear", "rank"), "shape linear, domain rank"
 
 
 class Policy:
@@ -71,8 +115,15 @@ class Policy:
         self.name = name
 
 
+class UsageLimit(Policy):
+    def __init__(self, name: str, params: object, ctx: PluginContext) -> None:
+        self.name, self.params = name, params
+
+
 plugin("static-usage-limit-policy", UsageLimitParams)(
-    type("StaticUsageLimitPolicy", (Policy,), {}))
+    type("StaticUsageLimitPolicy", (UsageLimit,), {}))
+plugin("priority-holdback-policy", HoldbackParams)(
+    type("PriorityHoldbackPolicy", (UsageLimit,), {}))
 for _type in ("round-robin-fairness-policy", "global-strict-fairness-policy",
               "fcfs-ordering-policy"):
     plugin(_type, NoParams)(type("".join(w.title() for w in _type.split("-")), (Policy,), {}))

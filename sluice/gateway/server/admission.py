@@ -2,11 +2,16 @@
 flow control), before the picker tokenizes and schedules it.
 
 1. Priority and tenant come from the request (`flow.objectives`).
-2. The pool is saturated when no decode-capable pod has room by the plan's saturation
-   detector (`flow.saturation`). A pod's waiting queue is judged as the larger of its
-   scraped one and this picker's requests in flight to it beyond those it was seen
-   running: the in-flight count moves at once, a scrape only every 150 ms, so a burst
-   admitted on one scrape would otherwise overrun the pool.
+2. Saturation, over the pool's decode-capable pods, by the plan's saturation detector
+   (`flow.saturation`): `utilization-detector` (waiting queue and KV usage against
+   thresholds; a pod's waiting queue is judged as the larger of its scraped one and
+   this picker's requests in flight to it beyond those it was seen running: the
+   in-flight count moves at once, a scrape only every 150 ms, so a burst admitted on
+   one scrape would otherwise overrun the pool), or `concurrency-detector` (this
+   picker's requests in flight over `maxConcurrency` per pod). A request of priority p
+   is held while the saturation reaches p's usage limit (`FlowControlConfig.ceiling`,
+   1 without flow control): with limit 1 and the utilization detector, while no pod
+   has room (GIE's rule); below 1, while GIE's saturation score reaches it.
 3. With flow control on (the configuration's `flowControl`, feature gate
    `flowControl`): the request waits its turn while the pool is saturated, highest
    priority first and tenants in turn, or is shed with 429 (503 when it waited out its
@@ -29,7 +34,7 @@ from collections.abc import Mapping
 from sluice.gateway.core import RoutingCore
 from sluice.gateway.flow.controller import FlowController, Shed
 from sluice.gateway.flow.objectives import Objectives, fairness_id
-from sluice.gateway.flow.saturation import SaturationDetector
+from sluice.gateway.flow.saturation import ConcurrencyDetectorConfig, SaturationDetector
 
 
 class Admission:
@@ -37,7 +42,9 @@ class Admission:
         self.core = core
         self.objectives = objectives
         plan = core.plan
-        self.detector = SaturationDetector(plan.saturation_detector)
+        cfg = plan.saturation_detector
+        self.concurrency = cfg if isinstance(cfg, ConcurrencyDetectorConfig) else None
+        self.detector = None if self.concurrency else SaturationDetector(cfg)
         self.flow = (FlowController(plan.flow_control, core.metrics.registry)
                      if plan.flow_control is not None else None)
         self.admitters = [p for p in plan.plugins.values() if hasattr(p, "admit_sheddable")]
@@ -57,8 +64,20 @@ class Admission:
             out.append(row)
         return out
 
-    def saturated(self, pods: list[str]) -> bool:
-        return self.detector.saturated(self.rows(pods), time.time() * 1000.0)
+    def saturated(self, model: str, pods: list[str], priority: int = 0) -> bool:
+        """Whether a request of `priority` must wait (see the module docstring, 2)."""
+        ceiling = self.flow.config.ceiling(priority) if self.flow is not None else 1.0
+        placing = self._placing.get(model, 0)
+        if self.concurrency is not None:  # (a released request counts before its pod)
+            flight = self.core.flight.inflight
+            return self.concurrency.score(sum(flight.get(p, 0) for p in pods) + placing,
+                                          len(pods)) >= ceiling
+        if placing:  # (one released request at a time until it is on a pod)
+            return True
+        now = time.time() * 1000.0
+        if ceiling >= 1.0:
+            return self.detector.saturated(self.rows(pods), now)
+        return self.detector.score(self.rows(pods), now) >= ceiling
 
     async def admit(self, model: str, pods: list[str], api_key: str | None,
                     headers: Mapping[str, str], size: int) -> Shed | bool:
@@ -76,8 +95,7 @@ class Admission:
             try:
                 got = await self.flow.admit(
                     model, priority, fairness_id(api_key, headers),
-                    lambda: self._placing.get(model, 0) > 0 or self.saturated(pods), size,
-                    placing)
+                    lambda p: self.saturated(model, pods, p), size, placing)
             except asyncio.CancelledError:  # (released, then the client went away)
                 if dispatched:
                     self.placed(model)
@@ -87,7 +105,7 @@ class Admission:
             return False
         if any(not a.admit_sheddable(self.rows(pods)) for a in self.admitters):
             return Shed("sheddable", 1)
-        return Shed("sheddable", 1) if self.saturated(pods) else False
+        return Shed("sheddable", 1) if self.saturated(model, pods, priority) else False
 
     def placed(self, model: str) -> None:
         """A request released from the queue was started on a pod, or refused."""
