@@ -249,3 +249,17 @@ def test_picker_config_inline_or_from_a_configmap_reaches_sluice_epp():
     both = helm("template", "rel", str(CHART), "--set", "picker.config.configMap.name=mine",
                 "--set-json", f"picker.config.inline={json.dumps(EPP_CONFIG)}")
     assert both.returncode != 0 and "not both" in both.stderr
+
+
+def test_picker_objectives_reach_sluice_epp():
+    from sluice.gateway.flow.objectives import Objectives
+
+    args, _, _ = _picker_routing(
+        "--set-json", 'picker.objectives=["interactive=10", "batch=0,keys=etl|nightly"]')
+    parsed = build_parser(["epp"]).parse_args(
+        ["epp", *(a for a in args[1:] if a.startswith("--objective"))])
+    objectives = Objectives.from_specs(parsed.objective)
+    assert objectives.priority("m", "etl", {"x-gateway-inference-objective": "interactive"}) == 0
+    assert objectives.priority("m", None, {"x-gateway-inference-objective": "interactive"}) == 10
+    bad = helm("template", "rel", str(CHART), "--set", "picker.objectives[0]=oops")
+    assert bad.returncode != 0 and "objectives" in bad.stderr

@@ -8,9 +8,9 @@ Two stacks, one after the other, alike but for the picker's configuration: least
 plugins plus a `concurrency-detector` (maxConcurrency = each engine's `--max-num-seqs`,
 `--slots`), and `--objective interactive=10 --objective batch=0`; `flow_control` also
 turns on the `flowControl` gate (round-robin fairness between tenants, 100 queued batch
-requests at most, `defaultRequestTTL` 60s, `priority-holdback-policy` minCeiling 0.75:
-batch requests wait once 3/4 of the slots are busy, interactive ones only when all
-are); `no_flow_control` does not. Each stack serves two phases:
+requests at most, `defaultRequestTTL` 60s, `priority-holdback-policy` minCeiling
+`--min-ceiling`, 0.75: batch requests wait once 3/4 of the slots are busy, interactive
+ones only when all are); `no_flow_control` does not. Each stack serves two phases:
 - `unloaded`: interactive requests alone (priority 10), Poisson at `--high-rate`;
 - `loaded`: the same interactive stream plus batch requests (priority 0) of three
   tenants (fairness ids a, b, c), Poisson at `--low-rates` each, more than the engines
@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", type=int, default=2)
     p.add_argument("--slots", type=int, default=8,
                    help="each engine's --max-num-seqs, the detector's maxConcurrency")
+    p.add_argument("--min-ceiling", type=float, default=0.75,
+                   help="priority-holdback-policy's minCeiling: batch waits once this "
+                        "fraction of the slots is busy")
     p.add_argument("--engine-args", default="--num-threads 1",
                    help="more `sluice engine` flags (one string)")
     p.add_argument("--seconds", type=float, default=40.0, help="each phase's length")
@@ -57,15 +60,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--result-json", default=None)
 
 
-def epp_config(flow: bool, slots: int) -> dict:
+def epp_config(flow: bool, slots: int, min_ceiling: float) -> dict:
     """least_load's plugins, a concurrency detector of the engines' `slots`, and (`flow`)
-    flow control holding batch back at 3/4 of them (priority-holdback-policy)."""
+    flow control holding batch back at `min_ceiling` of them (priority-holdback-policy)."""
     doc = {"apiVersion": "llm-d.ai/v1alpha1", "kind": "EndpointPickerConfig",
            "plugins": [{"type": "request-queue-scorer"}, {"type": "kv-cache-utilization-scorer"},
                        {"type": "concurrency-detector", "parameters": {
                            "maxConcurrency": slots}},
                        {"type": "priority-holdback-policy", "parameters": {
-                           "minCeiling": 0.75}}],
+                           "minCeiling": min_ceiling}}],
            "schedulingProfiles": [{"name": "default", "plugins": [
                {"pluginRef": "request-queue-scorer", "weight": 2},
                {"pluginRef": "kv-cache-utilization-scorer", "weight": 2}]}],
@@ -155,7 +158,7 @@ def run_stack(name: str, flow: bool, args) -> list[dict]:
 
     path = os.path.join(tempfile.mkdtemp(prefix="sluice-flow-"), "epp.yaml")
     with open(path, "w") as f:
-        yaml.safe_dump(epp_config(flow, args.slots), f)
+        yaml.safe_dump(epp_config(flow, args.slots, args.min_ceiling), f)
     gateway = ["--config", path, *(f"--objective={o}" for o in OBJECTIVES)]
     engine_args = (*args.engine_args.split(), "--max-num-seqs", str(args.slots))
     stack = LocalStack(StackConfig(engines=args.engines, routing="least_load",
@@ -191,7 +194,8 @@ def main(args: argparse.Namespace) -> int:
           f"picker: least_load's scorers, concurrency-detector maxConcurrency {args.slots}, "
           f"objectives {', '.join(OBJECTIVES)}; flow_control adds featureGates "
           f"[flowControl] (round-robin tenants, batch band 100 requests, TTL 60s, "
-          f"priority-holdback-policy minCeiling 0.75: batch waits at 3/4 of the slots)")
+          f"priority-holdback-policy minCeiling {args.min_ceiling}: batch waits at that "
+          f"fraction of the slots)")
     rows = run_stack("flow_control", True, args) + run_stack("no_flow_control", False, args)
     for r in rows:
         print(json.dumps(r))
