@@ -33,18 +33,10 @@ class SchedulingProfile:
     def __post_init__(self) -> None:
         assert all(w >= 0 for w, _ in self.scorers), self.scorers
 
-    def plugins(self) -> list[object]:
-        """Every plugin instance of the profile, each once, in the configured order."""
-        seen: dict[int, object] = {}
-        for p in (*self.filters, *(s for _, s in self.scorers), self.picker):
-            if p is not None:
-                seen.setdefault(id(p), p)
-        return list(seen.values())
-
     def run(self, req: RoutingRequest, cands: list[Candidate]
-                  ) -> tuple[ProfileResult | None, list[Candidate]]:
+            ) -> tuple[ProfileResult | None, list[Candidate]]:
         """(The result, or None when a hard filter left no candidate; the pods the
-        soft filters set aside, in candidate order)."""
+        soft filters set aside, the first filter's first)."""
         assert self.picker is not None, f"profile {self.name!r} has no picker"
         aside: list[Candidate] = []
         for f in self.filters:

@@ -8,10 +8,13 @@ from sluice.gateway.routing.plugins import RoutingRequest
 from sluice.gateway.routing.registry import NoParams, plugin
 
 
-def min_max(values: list[float]) -> list[float]:
-    """(max - v) / (max - min) per value; 1 for all when they are equal (GIE's scorers)."""
-    lo, hi = min(values, default=0.0), max(values, default=0.0)
-    return [1.0 if hi == lo else (hi - v) / (hi - lo) for v in values]
+def min_max(values: list[float | None]) -> list[float]:
+    """(max - v) / (max - min) per value, 1 for all when they are equal (GIE's scorers);
+    an unknown value (None) counts as above the largest known one."""
+    worst = max((v for v in values if v is not None), default=0.0) + 1.0
+    known = [worst if v is None else v for v in values]
+    lo, hi = min(known, default=0.0), max(known, default=0.0)
+    return [1.0 if hi == lo else (hi - v) / (hi - lo) for v in known]
 
 
 @plugin("queue-scorer", NoParams)
@@ -24,6 +27,4 @@ class QueueScorer:
         self.name = name
 
     def score(self, req: RoutingRequest, cands: list[Candidate]) -> list[float]:
-        known = [c.waiting for c in cands if c.waiting is not None]
-        worst = max(known, default=0.0) + 1.0
-        return min_max([c.waiting if c.waiting is not None else worst for c in cands])
+        return min_max([c.waiting for c in cands])

@@ -18,6 +18,4 @@ class RunningRequestsScorer:
         self.name = name
 
     def score(self, req: RoutingRequest, cands: list[Candidate]) -> list[float]:
-        known = [c.running for c in cands if c.running is not None]
-        worst = max(known, default=0.0) + 1.0
-        return min_max([c.running if c.running is not None else worst for c in cands])
+        return min_max([c.running for c in cands])
