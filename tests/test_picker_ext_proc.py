@@ -6,6 +6,7 @@ import time
 
 import grpc
 import httpx
+import openai
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from fake_engine import ThreadServer as Server
@@ -276,3 +277,35 @@ def test_through_envoy_a_completion_costs_two_messages_and_an_empty_body_none():
             assert httpx.get(front.url + "/v1/completions").status_code == 405
             assert httpx.get(front.url + "/v1/models").json()["data"][0]["id"] == "m"
             wait_for(lambda: front.picker.call(lambda: dict(gw.flight.inflight)) == {})
+
+
+@pytest.mark.parametrize("time_answers", [False, True])
+def test_through_envoy_answers_are_timed_per_pod_only_when_sent_to_the_picker(time_answers):
+    """`EnvoyConfig.time_answers`: a streamed completion's chunks reach the picker, whose
+    latency-recorder (in every shipped configuration) times its TTFT and TPOT; without it
+    the picker sees the answer's headers only, and records nothing."""
+    with Server(fake_engine("ok", {})) as a:
+        gw = static_core([a.port])
+        pod = f"127.0.0.1:{a.port}"
+        with Front(gw, time_answers=time_answers) as front:
+            wait_for(lambda: len(gw.registry.active()) == 1)
+            client = openai.OpenAI(base_url=front.url + "/v1", api_key="none", max_retries=0)
+            text = "".join(c.choices[0].text for c in client.completions.create(
+                model="m", prompt="hi", max_tokens=4, stream=True))
+            assert text == "t0t1t2"
+
+            def count(name):
+                return gw.metrics.registry.get_sample_value(
+                    f"sluice_gateway_request_{name}_seconds_count",
+                    {"pod": pod, "prompt_tokens": "128"})
+
+            if time_answers:
+                wait_for(lambda: count("tpot") == 1)
+                ttft = gw.metrics.registry.get_sample_value(
+                    "sluice_gateway_request_ttft_seconds_sum", {"pod": pod, "prompt_tokens": "128"})
+                tpot = gw.metrics.registry.get_sample_value(
+                    "sluice_gateway_request_tpot_seconds_sum", {"pod": pod, "prompt_tokens": "128"})
+                assert count("ttft") == 1 and ttft < 0.25 and 0.2 < tpot < 0.6  # 0.3 s apart
+            else:
+                time.sleep(0.2)  # (nothing to wait for: no timing comes)
+                assert count("ttft") is None and count("tpot") is None

@@ -80,6 +80,10 @@ class EnvoyConfig:
     # Ceiling for the picker's override_message_timeout (e.g. while it queues a request).
     ext_proc_max_message_timeout_s: float = 60.0
     failure_mode_allow: bool = False  # no picker, no routing: never guess an endpoint
+    # Completions' answers go to the picker chunk by chunk (response body STREAMED), so it
+    # times each pod's TTFT and TPOT (the latency-recorder plugin): one ext_proc message
+    # more per chunk. Off: the picker sees the answer's headers only.
+    time_answers: bool = False
     picker_health_check: bool = True
     # TLS to the picker (`sluice epp --secure-serving`): verified against picker_ca_file when
     # given; a client certificate (PEM files) where the picker requires one.

@@ -194,9 +194,12 @@ def _completion_routes(cfg: EnvoyConfig) -> list[dict]:
     then send completions headers first, as before)."""
     if cfg.failure_mode_allow:
         return []
+    mode = BODY_FIRST_MODE
+    if cfg.time_answers:
+        mode = {**mode, "response_body_mode": "STREAMED"}
     per_route = {"envoy.filters.http.ext_proc": {
         "@type": T + "filters.http.ext_proc.v3.ExtProcPerRoute",
-        "overrides": {"processing_mode": BODY_FIRST_MODE}}}
+        "overrides": {"processing_mode": mode}}}
     routes = []
     for path in COMPLETION_PATHS:
         if not any(path.startswith(p) for p in cfg.route_prefixes):

@@ -30,8 +30,9 @@ class LatencyRecorder:
     token after it, into `sluice_gateway_request_ttft_seconds` and
     `sluice_gateway_request_tpot_seconds` by pod and prompt-length class (`le` of the
     class's upper bound, `+Inf` beyond). Measured where the data plane streams the answer
-    to the picker (GIE's FULL_DUPLEX_STREAMED response mode): from the routing decision
-    to the first body chunk, and over the SSE events after it."""
+    to the picker (GIE's FULL_DUPLEX_STREAMED response mode; Sluice's Envoy with
+    `EnvoyConfig.time_answers`): from the routing decision to the first body chunk, and
+    over the SSE events after it."""
 
     def __init__(self, name: str, params: LatencyParams, ctx: PluginContext) -> None:
         self.name = name

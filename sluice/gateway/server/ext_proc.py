@@ -99,7 +99,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                                 req.response_body.body, req.response_body.end_of_stream,
                                 response=True):
                             yield answer
-                    else:
+                    else:  # (STREAMED: each chunk waits for this answer)
+                        if ex.answer is not None:
+                            self._time_answer(ex, req.response_body)
                         yield msg.RESPONSE_BODY_CONTINUE
                 elif phase == "request_trailers":
                     refused = False
@@ -113,6 +115,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     yield msg.RESPONSE_TRAILERS_CONTINUE
                 first = False
         finally:
+            if ex.answer is not None:  # (its stream closed before its last chunk came)
+                self._answered(ex)
             if ex.attempt is not None:
                 ex.attempt.done()
             if ex.prefill_attempt is not None:
@@ -243,7 +247,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             return msg.immediate_error(result.status, result.message, result.param,
                                        result.retry_after)
         ex.decision, ex.model, ex.request = result.decision, result.model, result.request
-        if self.picker.core.plan.post_response_hooks and ex.streamed_response:
+        if self.picker.core.plan.post_response_hooks:  # (timed if the answer comes here)
             ex.answer = streamed.AnswerTiming(time.perf_counter())
         ex.attempt = self.picker.start(result.decision)
         if result.prefill is not None:
@@ -255,12 +259,16 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def _time_answer(self, ex: Exchange, body: pb.HttpBody) -> None:
         """A chunk of a streamed answer: its first is the first token; at its end the
         plan's PostResponse hooks are told (`routing.latency`)."""
-        t = ex.answer
-        if t.ended(body.body, body.end_of_stream) and ex.attempt is not None:
+        if ex.answer.ended(body.body, body.end_of_stream):
+            self._answered(ex)
+
+    def _answered(self, ex: Exchange) -> None:
+        """Tell the PostResponse hooks how the answer went (once, if it began)."""
+        t, ex.answer = ex.answer, None
+        if t is not None and t.first is not None and ex.attempt is not None:
             served = t.served(ex.attempt.d.pod, len(ex.request.token_ids))
             for hook in self.picker.core.plan.post_response_hooks:
                 hook.post_response(ex.request, served)
-            ex.answer = None
 
     def _response_headers(self, ex: Exchange, req: pb.ProcessingRequest
                           ) -> pb.ProcessingResponse:

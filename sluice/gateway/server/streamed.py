@@ -109,23 +109,27 @@ class AnswerTiming:
     token; each SSE `data:` event after it one more (vLLM streams a token, or a few, per
     event); `[DONE]` is no token."""
 
-    __slots__ = ("events", "first", "routed")
+    __slots__ = ("events", "first", "last", "routed")
 
     def __init__(self, routed: float) -> None:
         self.routed = routed  # perf_counter() when the picker decided
         self.first: float | None = None
+        self.last = routed  # the latest chunk's
         self.events = 0
 
     def ended(self, chunk: bytes, end_of_stream: bool) -> bool:
         """Count `chunk`; True at the answer's end."""
-        if self.first is None and chunk:
-            self.first = time.perf_counter()
+        if chunk:
+            self.last = time.perf_counter()
+            if self.first is None:
+                self.first = self.last
         self.events += chunk.count(b"data: ") - chunk.count(b"data: [DONE]")
         return end_of_stream
 
     def served(self, pod: str, prompt_tokens: int) -> Served:
-        now = time.perf_counter()
+        """The timing so far (at the answer's end, or when its stream closed first: a
+        client that stops reading at `[DONE]` may close it before the last empty chunk)."""
         ttft = None if self.first is None else self.first - self.routed
-        tpot = ((now - self.first) / (self.events - 1)
+        tpot = ((self.last - self.first) / (self.events - 1)
                 if self.first is not None and self.events > 1 else None)
         return Served(pod, prompt_tokens, ttft, tpot, max(self.events, 0))
