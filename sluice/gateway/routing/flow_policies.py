@@ -3,9 +3,9 @@
 `flow.saturation` read the sections themselves.
 
 - `utilization-detector`: GIE's saturation detector; referenced in a profile it is
-  also a soft filter: it keeps the pods with fresh load, at most `queueDepthThreshold`
-  x (1 + headroom) waiting requests and at most `kvCacheUtilThreshold` x (1 + headroom)
-  KV usage, all of them when none is left;
+  also a soft filter: it keeps the pods with fresh load, fewer than
+  `queueDepthThreshold` x (1 + headroom) waiting requests and less than
+  `kvCacheUtilThreshold` x (1 + headroom) KV usage, all of them when none is left;
 - `round-robin-fairness-policy`, `global-strict-fairness-policy`: how a priority band
   is shared between tenants (`flow.queues`);
 - `fcfs-ordering-policy`: a tenant's requests in arrival order;

@@ -20,8 +20,9 @@ flow control), before the picker tokenizes and schedules it.
    is refused with 429; others pass. The plan's admitters (`probabilistic-admitter`)
    may refuse sheddable requests before that.
 A request released from a queue is *placing* until the picker has started it on a pod
-(`placed`): while one is, its pool counts as saturated, so one freed slot releases one
-request, not every request queued before the in-flight count catches up. A finished
+(`placed`): it counts as in flight (concurrency detector), or its pool as saturated while
+it places (utilization detector), so one freed slot releases one request, not every
+request queued before the in-flight count catches up. A finished
 request tells flow control that its pool may have room (`finished`).
 """
 
