@@ -230,3 +230,14 @@ def test_the_latency_recorder_times_a_streamed_answer_by_pod_and_prompt_class():
     assert registry.get_sample_value("sluice_gateway_request_tpot_seconds_count", labels) == 1
     rec.forget_pod("p0:1")
     assert registry.get_sample_value("sluice_gateway_request_ttft_seconds_count", labels) is None
+
+
+def test_session_affinity_refuses_what_it_does_not_know():
+    from sluice.gateway.routing.registry import PluginError
+
+    for params, match in (({"sessionIdConfig": {"evictionTTL": 5}}, "evictionTTL"),
+                          ({"sessionIdConfig": {"evictionTtlSeconds": "5m"}}, "> 0"),
+                          ({"sessionIdConfig": {"sources": [{"cookie": "s"}]}}, "source"),
+                          ({"strategy": "sticky"}, "strategy")):
+        with pytest.raises(PluginError, match=match):
+            make("session-affinity-scorer", **params)

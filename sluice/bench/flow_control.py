@@ -12,12 +12,16 @@ requests at most, `defaultRequestTTL` 60s, `priority-holdback-policy` minCeiling
 `--min-ceiling`, 0.75: batch requests wait once 3/4 of the slots are busy, interactive
 ones only when all are); `no_flow_control` does not. Each stack serves two phases:
 - `unloaded`: interactive requests alone (priority 10), Poisson at `--high-rate`;
+- `floor`: the same arrivals as `loaded`, but every batch request names a model no
+  engine serves (the picker's 404): the client, Envoy and the picker work as hard,
+  the engines do not. On a machine whose cores they all share, this is the interactive
+  TTFT that no admission policy can beat;
 - `loaded`: the same interactive stream plus batch requests (priority 0) of three
   tenants (fairness ids a, b, c), Poisson at `--low-rates` each, more than the engines
   serve, so the pool stays saturated.
 Every request streams a chat completion of `--max-tokens` tokens through the openai SDK
 (no retries). Reports per stack and phase: the interactive requests' TTFT p50/p90 and
-loaded p90 over unloaded p90; per batch tenant the requests sent, those answered while
+floor and loaded p90 over unloaded p90; per batch tenant the requests sent, those answered while
 the arrivals went on (the pool saturated) and their share of them; 429s; failures
 (anything else: must be 0).
 """
@@ -39,6 +43,7 @@ import yaml
 from sluice.bench.serve_workloads import TextMaker
 
 TENANTS = ("a", "b", "c")
+FLOOR_MODEL = "no-such-model"  # the floor phase's batch requests: 404 at the picker
 OBJECTIVES = ("interactive=10", "batch=0")
 
 
@@ -104,7 +109,9 @@ async def one(client, model: str, prompt: str, max_tokens: int, headers: dict) -
         return {"ok": False, "status": type(err).__name__}
 
 
-async def phase(url: str, model: str, args, loaded: bool, rng: random.Random) -> dict:
+async def phase(url: str, model: str, args, loaded: bool, rng: random.Random,
+                batch_model: str | None = None) -> dict:
+    """One phase; `batch_model`: the batch requests' model (default `model`)."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
@@ -127,8 +134,9 @@ async def phase(url: str, model: str, args, loaded: bool, rng: random.Random) ->
             headers = {"x-gateway-inference-objective": objective}
             if tenant:
                 headers["x-gateway-inference-fairness-id"] = tenant
+            to = batch_model if tenant and batch_model else model
             tasks.append((objective, tenant, asyncio.ensure_future(one(
-                client, model, maker.text(args.prompt_words), args.max_tokens, headers))))
+                client, to, maker.text(args.prompt_words), args.max_tokens, headers))))
 
     t_start = time.perf_counter()
     await asyncio.gather(*(arrivals(*s) for s in streams))
@@ -140,8 +148,8 @@ async def phase(url: str, model: str, args, loaded: bool, rng: random.Random) ->
            "interactive_ttft_ms_p50": float(np.percentile(high, 50)) * 1000 if high else None,
            "interactive_ttft_ms_p90": float(np.percentile(high, 90)) * 1000 if high else None,
            "refused_429": sum(1 for *_, r in results if r.get("status") == 429),
-           "failed": [r["status"] for *_, r in results if not r["ok"]
-                      and r.get("status") != 429]}
+           "failed": [r["status"] for o, _, r in results if not r["ok"]
+                      and r.get("status") != 429 and (o == "interactive" or not batch_model)]}
     if loaded:  # (answered while arrivals went on: while the pool was saturated)
         within = t_start + args.seconds
         done = {t: sum(1 for o, tt, r in results if tt == t and r["ok"] and r["end"] <= within)
@@ -173,19 +181,25 @@ def run_stack(name: str, flow: bool, args) -> list[dict]:
         rng = random.Random(args.seed)
         asyncio.run(phase(stack.url, model, argparse.Namespace(
             **{**vars(args), "seconds": 3.0, "high_rate": 2.0}), False, random.Random(1)))
-        for label, loaded in (("unloaded", False), ("loaded", True)):
+        for label, loaded, batch_model in (("unloaded", False, None),
+                                           ("floor", True, FLOOR_MODEL),
+                                           ("loaded", True, None)):
             load = os.getloadavg()[0]
             row = {"stack": name, "phase": label, **asyncio.run(
-                phase(stack.url, model, args, loaded, rng)),
+                phase(stack.url, model, args, loaded, rng, batch_model)),
                 "loadavg_1m": [load, os.getloadavg()[0]]}
+            if batch_model:  # (every batch request is the picker's 404: no engine work)
+                row.pop("batch_answered_in_phase", None)
+                row.pop("batch_share", None)
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
     finally:
         stack.stop()
-    unloaded, loaded = rows
-    if unloaded["interactive_ttft_ms_p90"] and loaded["interactive_ttft_ms_p90"]:
-        loaded["interactive_p90_over_unloaded"] = (loaded["interactive_ttft_ms_p90"]
-                                                   / unloaded["interactive_ttft_ms_p90"])
+    unloaded = rows[0]
+    for row in rows[1:]:
+        if unloaded["interactive_ttft_ms_p90"] and row["interactive_ttft_ms_p90"]:
+            row["interactive_p90_over_unloaded"] = (row["interactive_ttft_ms_p90"]
+                                                    / unloaded["interactive_ttft_ms_p90"])
     return rows
 
 

@@ -47,6 +47,11 @@ class SessionAffinityScorer:
 
     def __init__(self, name: str, params: SessionAffinityParams, ctx: PluginContext) -> None:
         self.name, self.params = name, params
+        _known(name, "encodedEndpointHeaderConfig", params.encoded_endpoint_header_config,
+               ("header",))
+        # (expired sessions are dropped as met, and the table is bounded: no sweep)
+        _known(name, "sessionIdConfig", params.session_id_config,
+               ("sources", "evictionTtlSeconds", "evictionSweepSeconds"))
         self.header = str(params.encoded_endpoint_header_config.get(
             "header", "x-session-token")).lower()
         cfg = params.session_id_config
@@ -56,7 +61,10 @@ class SessionAffinityScorer:
                     isinstance(s.get("header"), str) or s.get("attribute") == API_KEY)):
                 raise PluginError(f"{name}: a session source is {{header: NAME}} or "
                                   f"{{attribute: {API_KEY}}}, not {s!r}")
-        self.ttl_s = float(cfg.get("evictionTtlSeconds", 300))
+        ttl = cfg.get("evictionTtlSeconds", 300)
+        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0:
+            raise PluginError(f"{name}: evictionTtlSeconds must be a number > 0, not {ttl!r}")
+        self.ttl_s = float(ttl)
         # the request headers the picker must pass on to this plugin
         self.reads_headers = frozenset([self.header, *(s["header"].lower()
                                                        for s in self.sources if "header" in s)])
@@ -101,3 +109,9 @@ class SessionAffinityScorer:
         if self.params.strategy != ENCODED:
             return {}
         return {self.header: base64.b64encode(pod.encode()).decode()}
+
+
+def _known(name: str, where: str, given: dict, known: tuple[str, ...]) -> None:
+    if unknown := sorted(set(given) - set(known)):
+        raise PluginError(f"{name}: {where} has no field(s) {', '.join(unknown)}; known: "
+                          f"{', '.join(known)}")
