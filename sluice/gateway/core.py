@@ -87,8 +87,9 @@ class RoutingCore:
         self.metrics.set_mode(self.index.mode)
         self.plan: RoutingPlan = load_plan(
             cfg.routing_document or read_document(shipped=cfg.routing), cfg.routing,
-            PluginContext(self.index, cfg.local_index, cfg.load_ttl_ms, self.metrics.registry,
-                          cfg.seed), cfg.default_block_size)
+            PluginContext(self.index, load_ttl_ms=cfg.load_ttl_ms,
+                          metrics=self.metrics.registry, seed=cfg.seed),
+            cfg.default_block_size)
         uses_events = self.plan.uses_events
         self.speculation = self.plan.renewer()
         spec_ttl_ms = self.speculation.ttl_ms if self.speculation is not None else 0

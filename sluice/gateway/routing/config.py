@@ -46,7 +46,7 @@ from sluice.gateway.routing.plugins import (
     Scorer,
 )
 from sluice.gateway.routing.profile import SchedulingProfile
-from sluice.gateway.routing.registry import PluginError, build
+from sluice.gateway.routing.registry import PluginError, build, check_keys
 
 API_VERSIONS = ("llm-d.ai/v1alpha1", "llm-d.ai/v1",
                 "inference.networking.x-k8s.io/v1alpha1",  # GIE's, and llm-d's older one
@@ -105,7 +105,7 @@ def set_parameters(doc: Mapping[str, Any], type_name: str, **params: Any) -> dic
 def load_plan(doc: Mapping[str, Any], name: str, ctx: PluginContext,
               default_block_size: int = 16) -> RoutingPlan:
     """Build the plan of an EndpointPickerConfig document (see the module docstring)."""
-    _check_keys("the configuration", doc, SECTIONS)
+    check_keys("the configuration", doc, SECTIONS)
     if doc.get("kind") != KIND or doc.get("apiVersion") not in API_VERSIONS:
         raise PluginError(f"a routing configuration is kind {KIND} with apiVersion one of "
                           f"{', '.join(API_VERSIONS)}; got {doc.get('kind')!r} "
@@ -113,7 +113,7 @@ def load_plan(doc: Mapping[str, Any], name: str, ctx: PluginContext,
     gates = _feature_gates(doc)
     plugins: dict[str, object] = {}
     for spec in _list(doc, "plugins"):
-        _check_keys("a plugin", spec, ("type", "name", "parameters"))
+        check_keys("a plugin", spec, ("type", "name", "parameters"))
         if not isinstance(spec.get("type"), str):
             raise PluginError(f"a plugin needs a type: {spec!r}")
         pname = spec.get("name") or spec["type"]
@@ -178,7 +178,7 @@ def _profiles(doc: Mapping[str, Any], plugins: dict[str, object],
     default_picker = next((p for p in plugins.values() if isinstance(p, Picker)), None)
     profiles: dict[str, SchedulingProfile] = {}
     for spec in specs:
-        _check_keys("a scheduling profile", spec, ("name", "plugins"))
+        check_keys("a scheduling profile", spec, ("name", "plugins"))
         pname = spec.get("name")
         if not isinstance(pname, str) or not pname or pname in profiles:
             raise PluginError(f"a scheduling profile needs a unique name: {pname!r}")
@@ -194,7 +194,7 @@ def _profiles(doc: Mapping[str, Any], plugins: dict[str, object],
 
 
 def _add_ref(prof: SchedulingProfile, ref: Any, plugins: dict[str, object]) -> None:
-    _check_keys(f"a plugin reference of profile {prof.name!r}", ref, ("pluginRef", "weight"))
+    check_keys(f"a plugin reference of profile {prof.name!r}", ref, ("pluginRef", "weight"))
     target = plugins.get(ref.get("pluginRef"))
     if target is None:
         raise PluginError(f"profile {prof.name!r} references {ref.get('pluginRef')!r}, "
@@ -248,14 +248,6 @@ def _check_refs(doc: Mapping[str, Any], plugins: dict[str, object]) -> None:
         if ref is not None and ref not in plugins:
             raise PluginError(f"{ref!r} is referenced but no plugin is named so; plugins: "
                               + ", ".join(plugins))
-
-
-def _check_keys(what: str, value: Any, known: tuple[str, ...]) -> None:
-    if not isinstance(value, Mapping):
-        raise PluginError(f"{what} must be a mapping, not {value!r}")
-    if unknown := [k for k in value if k not in known]:
-        raise PluginError(f"{what} has unknown field(s) {', '.join(map(repr, unknown))}; "
-                          f"known: {', '.join(known)}")
 
 
 def _list(doc: Mapping[str, Any], key: str) -> list:

@@ -65,6 +65,15 @@ def plugin(type_name: str, params: type = NoParams, aliases: tuple[str, ...] = (
     return register
 
 
+def check_keys(what: str, value: Any, known: tuple[str, ...]) -> None:
+    """`value` is a mapping of `known` keys only; else a PluginError naming the others."""
+    if not isinstance(value, Mapping):
+        raise PluginError(f"{what} must be a mapping, not {value!r}")
+    if unknown := [k for k in value if k not in known]:
+        raise PluginError(f"{what} has unknown field(s) {', '.join(map(repr, unknown))}; "
+                          f"known: {', '.join(known)}")
+
+
 def camel(snake: str) -> str:
     head, *rest = snake.split("_")
     return head + "".join(w[:1].upper() + w[1:] for w in rest)

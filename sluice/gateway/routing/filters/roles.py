@@ -10,27 +10,24 @@ from sluice.gateway.routing.plugins import RoutingRequest
 from sluice.gateway.routing.registry import NoParams, plugin
 
 
-@plugin("decode-filter", NoParams)
-class DecodeFilter:
-    """Keeps pods that decode: role decode, both, or none given (a pool without roles)."""
-
+class RoleFilter:
     hard = True
+    prefill = False  # the role kept: prefill, or every other (decode, both, none)
 
     def __init__(self, name: str, params: NoParams, ctx: PluginContext) -> None:
         self.name = name
 
     def filter(self, req: RoutingRequest, cands: list[Candidate]) -> list[Candidate]:
-        return [c for c in cands if c.role != PREFILL]
+        return [c for c in cands if (c.role == PREFILL) == self.prefill]
+
+
+@plugin("decode-filter", NoParams)
+class DecodeFilter(RoleFilter):
+    """Keeps pods that decode: role decode, both, or none given (a pool without roles)."""
 
 
 @plugin("prefill-filter", NoParams)
-class PrefillFilter:
+class PrefillFilter(RoleFilter):
     """Keeps prefill pods only."""
 
-    hard = True
-
-    def __init__(self, name: str, params: NoParams, ctx: PluginContext) -> None:
-        self.name = name
-
-    def filter(self, req: RoutingRequest, cands: list[Candidate]) -> list[Candidate]:
-        return [c for c in cands if c.role == PREFILL]
+    prefill = True

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from sluice.gateway.routing.candidate import Candidate
 from sluice.gateway.routing.plugin_context import PluginContext
 from sluice.gateway.routing.plugins import ProfileResult, RoutingRequest
-from sluice.gateway.routing.registry import PluginError, plugin
+from sluice.gateway.routing.registry import PluginError, check_keys, plugin
 
 ENCODED = "encoded_endpoint_header"
 SESSION_ID = "session_id"
@@ -47,11 +47,11 @@ class SessionAffinityScorer:
 
     def __init__(self, name: str, params: SessionAffinityParams, ctx: PluginContext) -> None:
         self.name, self.params = name, params
-        _known(name, "encodedEndpointHeaderConfig", params.encoded_endpoint_header_config,
-               ("header",))
+        check_keys(f"{name}: encodedEndpointHeaderConfig",
+                   params.encoded_endpoint_header_config, ("header",))
         # (expired sessions are dropped as met, and the table is bounded: no sweep)
-        _known(name, "sessionIdConfig", params.session_id_config,
-               ("sources", "evictionTtlSeconds", "evictionSweepSeconds"))
+        check_keys(f"{name}: sessionIdConfig", params.session_id_config,
+                   ("sources", "evictionTtlSeconds", "evictionSweepSeconds"))
         self.header = str(params.encoded_endpoint_header_config.get(
             "header", "x-session-token")).lower()
         cfg = params.session_id_config
@@ -110,8 +110,3 @@ class SessionAffinityScorer:
             return {}
         return {self.header: base64.b64encode(pod.encode()).decode()}
 
-
-def _known(name: str, where: str, given: dict, known: tuple[str, ...]) -> None:
-    if unknown := sorted(set(given) - set(known)):
-        raise PluginError(f"{name}: {where} has no field(s) {', '.join(unknown)}; known: "
-                          f"{', '.join(known)}")
