@@ -24,6 +24,7 @@ NON_DEFAULT = [
     "operator.logLevel=debug", "redis.enabled=false", "redis.existingSecret=redis-url",
     "picker.autoscaling.enabled=true", "envoy.autoscaling.enabled=true", "picker.pool=llama-8b",
     "picker.routing=least_load", "picker.pdThresholdTokens=512",
+    "picker.config.configMap.name=epp-config", "picker.objectives={interactive=10}",
     "envoy.service.type=LoadBalancer", "picker.extraArgs={--max-fallbacks=3}",
     "envoy.bootstrapArgs={--num-retries=3}", "picker.tokenizers={llama=/tokenizers/llama}",
     "picker.extraVolumes[0].name=tokenizers", "picker.extraVolumes[0].configMap.name=tok",
