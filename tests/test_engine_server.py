@@ -304,3 +304,11 @@ def test_tokenize_gives_the_ids_a_completion_would_use(engine, client, tiny_chat
     bad = httpx.post(engine.url + "/tokenize", content=b'{"prompt": "a\\ud800b"}',
                      headers={"content-type": "application/json"})
     assert bad.status_code == 400 and bad.json()["error"]["code"] == 400
+
+
+def test_fcfs_refuses_a_priority_and_ignores_the_gateways_header(engine):
+    url, body = engine.url + "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    r = httpx.post(url, json={**body, "priority": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+    assert "--scheduling-policy priority" in r.json()["error"]["message"]
+    assert httpx.post(url, json=body, headers={"x-sluice-priority": "10"}).status_code == 200

@@ -59,8 +59,9 @@ def immediate(answer):
 def destination(answer) -> str:
     common = answer.request_body.response
     assert common.clear_route_cache
-    (header,) = [h.header for h in common.header_mutation.set_headers]
+    header, priority = [h.header for h in common.header_mutation.set_headers]
     assert header.key == DESTINATION
+    assert (priority.key, priority.raw_value) == ("x-sluice-priority", b"0")  # no objective
     meta = answer.dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields[DESTINATION]
     assert meta.string_value == header.raw_value.decode()  # identical, as GIE asks
     return meta.string_value
@@ -81,9 +82,9 @@ def pool():
 def test_a_request_is_routed_with_fallbacks_in_header_and_metadata(pool):
     _, client, pods = pool
     first, routed = client.exchange(post(), body({"model": "m", "prompt": "hi"}))
-    # a client-sent destination or prefill pod is stripped before anything else
+    # a client-sent destination, prefill pod or priority is stripped before anything else
     assert list(first.request_headers.response.header_mutation.remove_headers) == [
-        DESTINATION, "x-prefiller-host-port"]
+        DESTINATION, "x-prefiller-host-port", "x-sluice-priority"]
     endpoints = destination(routed).split(",")
     assert sorted(endpoints) == sorted(pods)  # the chosen one, then the other
 
@@ -207,8 +208,9 @@ def test_body_first_routes_with_its_header_changes_in_metadata(pool):
     picker, client, pods = pool
     (answer,) = client.exchange(body_first({"model": "m", "prompt": "hi"}))
     listed = answer.dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields[DESTINATION]
-    # a client's own destination or prefiller header never reaches an engine
-    assert changes(answer) == (list(PICKER_HEADERS), {DESTINATION: listed.string_value})
+    # a client's own destination, prefiller or priority header never reaches an engine
+    assert changes(answer) == (list(PICKER_HEADERS), {DESTINATION: listed.string_value,
+                                                      "x-sluice-priority": "0"})
     assert set(listed.string_value.split(",")) == set(pods)
     # the same checks as on a headers message: bad input, subset hint
     (bad,) = client.exchange(body_first(b"{not json"))
@@ -241,7 +243,8 @@ def test_body_first_keys_and_inflight():
                                      metadata_context=metadata(LB_NAMESPACE, {SERVED: pod})))
             # the client's key is removed, then the engines' own set; its name is logged
             assert changes(answers[0]) == ([*PICKER_HEADERS, "authorization"], {
-                DESTINATION: pod, "authorization": "Bearer sk-engine"})
+                DESTINATION: pod, "authorization": "Bearer sk-engine",
+                "x-sluice-priority": "0"})
             key = answers[0].dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields[KEY_NAME]
             assert key.string_value == "default"
             added = answers[1].response_headers.response.header_mutation.set_headers

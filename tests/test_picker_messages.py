@@ -54,11 +54,11 @@ def test_continuing_asks_for_the_body_and_response_headers_and_strips_as_told():
         mode_override=mode, dynamic_metadata=_lb({msg.KEY_NAME: "team-a"}))
     assert msg.continue_request_headers(strip, "team-a") == expected
     # an open gateway's answer, built once: no key name, only the picker's own headers
-    # stripped (the destination and the prefill pod: a client must choose neither)
+    # stripped (the destination, the prefill pod and the priority: a client chooses none)
     assert msg.CONTINUE_OPEN == pb.ProcessingResponse(
         request_headers=pb.HeadersResponse(response=pb.CommonResponse(
             header_mutation=pb.HeaderMutation(remove_headers=[
-                msg.DESTINATION, "x-prefiller-host-port"]))),
+                msg.DESTINATION, "x-prefiller-host-port", "x-sluice-priority"]))),
         mode_override=mode)
 
 
@@ -70,6 +70,12 @@ def test_a_disaggregated_route_names_the_prefill_pod_in_llm_d_s_header():
     expected = pb.ProcessingResponse(dynamic_metadata=_lb({msg.DESTINATION: endpoints[0]}),
                                      request_body=pb.BodyResponse(response=common))
     assert msg.route_to(endpoints, True, prefiller="10.0.0.9:8000") == expected
+
+
+def test_a_route_tells_the_engine_the_objectives_priority():
+    answer = msg.route_to(("10.0.0.1:8000",), True, priority=-3)
+    set_headers = answer.request_body.response.header_mutation.set_headers
+    assert {o.header.key: o.header.raw_value for o in set_headers}["x-sluice-priority"] == b"-3"
 
 
 def test_response_headers_are_overwritten_or_added():

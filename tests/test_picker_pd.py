@@ -65,7 +65,7 @@ def test_a_long_prompt_names_the_prefill_pod_and_a_short_one_does_not(pool):
         first, routed = client.exchange(post(**{PREFILLER: "6.6.6.6:1"}), body(LONG))
         # the client's own prefill pod is stripped with its destination
         assert list(first.request_headers.response.header_mutation.remove_headers) == [
-            DESTINATION, PREFILLER]
+            DESTINATION, PREFILLER, "x-sluice-priority"]
         got = set_headers(routed)
         assert got[DESTINATION].split(",")[0] in (d0, d1)  # decode pods only, fallbacks too
         assert set(got[DESTINATION].split(",")) <= {d0, d1}

@@ -124,7 +124,7 @@ def test_flow_control_serves_priorities_in_order_and_tenants_in_turn():
             for name in queued:  # held over a second: the data plane is asked to wait
                 keepalive = answer(name, timeout=5)
                 assert keepalive.override_message_timeout.seconds == 60, keepalive
-            order = []
+            order, priorities = [], {}
             while queued:
                 streams[in_flight.pop(0)][0].put(None)  # the oldest request ends
                 released = None
@@ -136,6 +136,10 @@ def test_flow_control_serves_priorities_in_order_and_tenants_in_turn():
                             continue
                         assert got.HasField("request_body"), got
                         released = name
+                        priorities[name] = {
+                            o.header.key: o.header.raw_value for o in
+                            got.request_body.response.header_mutation.set_headers
+                        }["x-sluice-priority"]
                         break
                 queued.remove(released)
                 order.append(released)
@@ -143,6 +147,8 @@ def test_flow_control_serves_priorities_in_order_and_tenants_in_turn():
                 time.sleep(0.05)  # (a second release would be in flight by now)
                 assert gw.flight.inflight.get(pod) == 2
             assert order[0] == "hi"  # the higher priority first
+            # and the engine is told each objective's priority
+            assert priorities == {n: b"10" if n == "hi" else b"0" for n in order}
             # tenants of one priority in turn, whatever their backlog
             assert [n[0] for n in order[1:]] == list("abcabcaaaa")
             assert picker.call(lambda: flow.queued("m")) == 0

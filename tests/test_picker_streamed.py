@@ -25,7 +25,6 @@ from sluice.gateway.server.messages import (
     DESTINATION,
     KEY_NAME,
     LB_NAMESPACE,
-    PICKER_HEADERS,
     SERVED,
     SUBSET,
     SUBSET_NAMESPACE,
@@ -112,7 +111,8 @@ def test_headers_are_answered_after_the_whole_body_then_the_body_goes_back(pool)
     s.send(parts[-1])
     endpoints, removed = routed(s.get())
     assert sorted(endpoints.split(",")) == sorted(pods)  # the chosen one, then the other
-    assert removed == list(PICKER_HEADERS[1:])  # (the destination is set: not removed)
+    # (the destination and the priority are set: not removed)
+    assert removed == ["x-prefiller-host-port"]
     body, n = streamed_body(s)
     assert body == raw and n == -(-len(raw) // CHUNK_BYTES)  # unchanged, in 62 kB chunks
     chosen = endpoints.split(",")[0]
@@ -257,7 +257,7 @@ def test_a_keyed_gateway_strips_the_key_and_names_it_in_metadata():
             s = client.stream()
             s.send(start(authorization="Bearer sk-right"), chunk(SMALL, end=True))
             answer = s.get()
-            assert routed(answer)[1] == [*PICKER_HEADERS[1:], "authorization"]
+            assert routed(answer)[1] == ["x-prefiller-host-port", "authorization"]
             fields = answer.dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields
             assert fields[KEY_NAME].string_value == "default"
             s.end()

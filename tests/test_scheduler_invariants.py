@@ -23,6 +23,7 @@ workload = st.fixed_dictionaries({
     "num_requests": st.integers(1, 12),
     "abort_rate": st.floats(0.0, 0.2),
     "prefix_caching": st.booleans(),
+    "policy": st.sampled_from(["fcfs", "priority"]),
 })
 
 
@@ -35,7 +36,8 @@ def test_random_workload_keeps_invariants(w):
     max_model_len = w["num_blocks"] * bs
     sched = Scheduler(SchedulerConfig(max_num_seqs=w["max_num_seqs"],
                                       max_num_batched_tokens=w["budget"],
-                                      long_prefill_token_threshold=w["threshold"]),
+                                      long_prefill_token_threshold=w["threshold"],
+                                      policy=w["policy"]),
                       kv, max_model_len)
     prefixes = [[rng.randrange(100) for _ in range(rng.randint(1, 40))] for _ in range(3)]
     live: dict[str, Request] = {}
@@ -44,7 +46,8 @@ def test_random_workload_keeps_invariants(w):
         prompt = (rng.choice(prefixes) + [rng.randrange(100) for _ in range(rng.randint(0, 20))])
         prompt = prompt[: max_model_len - 1] or [1]
         max_tokens = rng.randint(1, 20)
-        req = Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens))
+        req = Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens),
+                      priority=rng.choice([0, 0, 1, 5]))
         live[req.request_id] = req
         sched.add(req)
 
@@ -66,6 +69,11 @@ def test_random_workload_keeps_invariants(w):
             assert n <= (w["threshold"] or n), "long_prefill_token_threshold caps each chunk"
         for req in out.preempted:
             assert req.num_computed_tokens == 0 and not kv.block_table(req.request_id)
+            assert req in sched.waiting and req not in sched.running
+        assert not {r.request_id for r in sched.waiting} & {r.request_id for r in sched.running}
+        if w["policy"] == "priority":  # the queue stays in (priority, arrival) order
+            keys = [(r.priority, r.arrival_time) for r in sched.waiting]
+            assert keys == sorted(keys)
         if w["prefix_caching"]:  # no block that could be a hit is computed twice at once
             touched = [h for req, n in out.scheduled
                        for h in req.block_hashes[req.num_computed_tokens // bs:

@@ -54,8 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-ceiling", type=float, default=0.75,
                    help="priority-holdback-policy's minCeiling: batch waits once this "
                         "fraction of the slots is busy")
-    p.add_argument("--engine-args", default="--num-threads 1",
-                   help="more `sluice engine` flags (one string)")
+    p.add_argument("--engine-args", default="--num-threads 1 --scheduling-policy priority",
+                   help="more `sluice engine` flags (one string); with the priority policy "
+                        "the engines serve the interactive objective first too")
     p.add_argument("--seconds", type=float, default=40.0, help="each phase's length")
     p.add_argument("--high-rate", type=float, default=0.5, help="interactive requests/s")
     p.add_argument("--low-rates", default="12,8,8", help="batch requests/s of tenants a,b,c")

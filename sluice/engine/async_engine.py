@@ -51,13 +51,13 @@ class AsyncEngine:
                                engine.model.config.vocab_size,
                                cfg.scheduler.max_waiting_requests,
                                cfg.kv_transfer.kv_role if cfg.kv_transfer else None,
-                               engine.kv.block_size)
+                               engine.kv.block_size, cfg.scheduler.policy)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, cache_salt: str | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams, cache_salt: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; closing the iterator early aborts the request.
 
         Validation errors (ValueError) and overload (EngineOverloadedError) are
@@ -74,7 +74,8 @@ class AsyncEngine:
         with self._lock:
             self._streams[request_id] = (loop, out_q)
             self._num_pending += 1
-        self._commands.put(("add", request_id, prompt_token_ids, params, cache_salt, done))
+        self._commands.put(("add", request_id, prompt_token_ids, params, cache_salt, priority,
+                            done))
         self._wake.set()
         finished = False
         try:
@@ -153,10 +154,10 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, prompt, params, salt, done = cmd
+                _, rid, prompt, params, salt, priority, done = cmd
                 loop = done.get_loop()
                 try:
-                    self.engine.add_request(rid, prompt, params, salt)
+                    self.engine.add_request(rid, prompt, params, salt, priority=priority)
                 except ValueError as exc:
                     self._finish_pending()
                     loop.call_soon_threadsafe(_set_exception, done, exc)

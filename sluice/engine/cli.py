@@ -40,6 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="at most this many prompt tokens of one request per step (0: no "
                         "cap), so short prompts are not queued behind a long prefill")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="fcfs: arrival order; priority: by each request's `priority` (lower "
+                        "first; from the gateway, its objective's priority), preempting lower "
+                        "priorities (vLLM's flag)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="bounded waiting queue; beyond it requests get 429")
@@ -142,7 +146,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                                   long_prefill_token_threshold=(
                                       args.long_prefill_token_threshold),
                                   max_model_len=args.max_model_len,
-                                  max_waiting_requests=args.max_waiting_requests),
+                                  max_waiting_requests=args.max_waiting_requests,
+                                  policy=args.scheduling_policy),
         kv_transfer=args.kv_transfer_config,
         speculative=getattr(args, "speculative_config", None),
     )

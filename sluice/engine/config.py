@@ -107,6 +107,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     max_model_len: int | None = None  # None: the model's and the pool's limit
     max_waiting_requests: int = 1024
+    policy: str = "fcfs"  # --scheduling-policy (sched_policy.py): fcfs | priority
 
     def __post_init__(self) -> None:
         assert self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold >= 0"

@@ -165,7 +165,8 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+                    cache_salt: str | None = None, arrival_time: float | None = None,
+                    priority: int = 0) -> None:
         """Queue a request; raises ValueError (PromptTooLongError) for invalid input."""
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -180,7 +181,7 @@ class LLMEngine:
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, cache_salt,
-                      arrival_time)
+                      arrival_time, priority)
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         req.grammar = self.structured_output.grammar_for(params.structured_outputs)

@@ -28,7 +28,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: frozenset[int] = frozenset(), cache_salt: str | None = None,
-                 arrival_time: float | None = None):
+                 arrival_time: float | None = None, priority: int = 0):
         assert prompt_token_ids, "a request needs at least one prompt token"
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -53,6 +53,7 @@ class Request:
         # drafted greedily (point masses). Aligned with spec_token_ids' first entries.
         self.spec_draft_probs = None
         self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority  # vLLM's: lower is served first (sched_policy.py)
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
 

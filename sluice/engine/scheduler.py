@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from sluice.engine.config import SchedulerConfig
 from sluice.engine.kv_cache_manager import KVCacheManager
 from sluice.engine.request import Request, RequestStatus
+from sluice.engine.sched_policy import POLICIES, SchedulingPolicy
 
 
 @dataclass
@@ -25,11 +26,33 @@ class SchedulerOutput:
         return sum(n for _, n in self.scheduled)
 
 
+@dataclass
+class _Step:
+    """What one `Scheduler.schedule` call has used and decided so far."""
+
+    budget: int  # tokens left
+    running_left: int  # requests running at the start not reached yet
+    admitting: bool = True  # False once memory forced a preemption or a request did not fit
+    in_prefill: set[int] = field(default_factory=set)  # block hashes being computed
+    taken: set[str] = field(default_factory=set)  # waiting requests admitted or loading
+    served: set[str] = field(default_factory=set)
+    first_prefill: Request | None = None
+
+    def scheduled(self, req: Request, num_tokens: int, prefill: bool,
+                  out: SchedulerOutput) -> None:
+        out.scheduled.append((req, num_tokens))
+        self.budget -= num_tokens
+        self.served.add(req.request_id)
+        if prefill and self.first_prefill is None:
+            self.first_prefill = req
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
+        self.policy: SchedulingPolicy = POLICIES[config.policy]()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions_total = 0
@@ -37,23 +60,27 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         assert req.num_tokens < self.max_model_len, "caller validates prompt length"
-        self.waiting.append(req)
+        self.policy.add(self.waiting, req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running) or self._has_remote_loads()
 
     def schedule(self) -> SchedulerOutput:
-        # Policy, one step:
-        # 1. Running requests first, oldest first: each gets the tokens it still needs
-        #    (1 for a decode, the rest of its prompt for a chunked prefill), capped by
-        #    what is left of the step's token budget and by long_prefill_token_threshold.
-        # 2. If the KV pool cannot cover a running request, preempt the newest running
-        #    request (free its blocks; it goes back to the front of the waiting queue and
-        #    recomputes later, usually hitting the prefix cache) until it fits.
-        # 3. Then admit waiting requests in arrival order while budget, max_num_seqs and
-        #    blocks allow (none after a preemption in this step): take their cached prefix
-        #    blocks, and chunk the rest of the prompt to the remaining budget (and the
-        #    threshold), so a short prompt starts beside a long prefill, not after it.
+        # Policy, one step. The order of requests, the victims and who may preempt whom
+        # come from the scheduling policy (sched_policy.py; fcfs: running requests oldest
+        # first, then waiting ones in arrival order).
+        # 1. A running request gets the tokens it still needs (1 for a decode, the rest of
+        #    its prompt for a chunked prefill), capped by what is left of the step's token
+        #    budget and by long_prefill_token_threshold.
+        # 2. If the KV pool cannot cover a running request, preempt the policy's victim
+        #    (free its blocks; it goes back to the waiting queue and recomputes later,
+        #    usually hitting the prefix cache) until it fits. No waiting request is
+        #    admitted after that in this step.
+        # 3. A waiting request is admitted while budget, max_num_seqs and blocks allow
+        #    (where the policy lets it outrank a running request, by preempting that one);
+        #    the first that does not fit ends admissions for this step. It takes its cached
+        #    prefix blocks, and chunks the rest of the prompt to the remaining budget (and
+        #    the threshold), so a short prompt starts beside a long prefill, not after it.
         #    A waiting request whose first uncached block is one that a running (or just
         #    admitted) request is still computing stays waiting, without holding up the
         #    requests behind it: once that block is cached it is a hit, so computing it
@@ -63,64 +90,93 @@ class Scheduler:
         # tokens of the budget; drafts that do not fit are dropped, and dropped before
         # anyone is preempted for their slots (`_num_draft_tokens`).
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
         if self.kv_connector is not None:
             self._admit_loaded()
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
-            assert num_new > 0, "a running request always has a token to compute"
-            num_draft = self._num_draft_tokens(req, num_new, budget)
-            while not self.kv.allocate_slots(req, num_new, num_lookahead_tokens=num_draft):
-                if num_draft:  # drafts are optional: drop them before preempting anyone
-                    num_draft = self._num_draft_tokens(req, num_new, 1)
-                    continue
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is req:
-                    break
-            else:
-                out.scheduled.append((req, num_new + num_draft))
-                budget -= num_new + num_draft
-                i += 1
-        in_prefill = self._blocks_in_prefill(self.running) if self.waiting else set()
-        j = 0
-        while (j < len(self.waiting) and budget > 0 and not out.preempted
-               and len(self.running) < self.config.max_num_seqs):
-            req = self.waiting[j]
-            hits = self.kv.get_computed_blocks(req)
-            if (in_prefill and len(hits) < (req.num_tokens - 1) // self.kv.block_size
-                    and req.block_hashes[len(hits)] in in_prefill):
-                j += 1  # its prefix is being computed: wait for it
-                continue
-            if self.kv_connector is not None:
-                loading = self._start_remote_load(req, hits)
-                if loading is False:
-                    break  # no blocks for its load: wait, as for a prefill
-                if loading:
-                    del self.waiting[j]
-                    continue
-            num_hit_tokens = len(hits) * self.kv.block_size
-            num_new = self._chunk(req.num_tokens - num_hit_tokens, budget)
-            if not self.kv.allocate_slots(req, num_new, hits):
+        step = _Step(self.config.max_num_batched_tokens, len(self.running))
+        step.in_prefill = self._blocks_in_prefill(self.running) if self.waiting else set()
+        for req, was_running in self.policy.order(self.running, self.waiting):
+            if step.budget <= 0 or not (step.admitting or step.running_left):
                 break
-            del self.waiting[j]
-            if req.num_cached_tokens < 0:  # first admission: count prefix-cache stats
-                req.num_cached_tokens = num_hit_tokens
-                out.num_prefix_queries += req.num_tokens
-                out.num_prefix_hits += num_hit_tokens
-            req.num_computed_tokens = num_hit_tokens
-            req.status = RequestStatus.RUNNING
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.time()
-            self.running.append(req)
-            out.scheduled.append((req, num_new))
-            budget -= num_new
-            in_prefill |= self._blocks_in_prefill([req])
-        assert budget >= 0 and len(self.running) <= self.config.max_num_seqs
+            if was_running:
+                step.running_left -= 1
+                if req.status is RequestStatus.RUNNING:  # (else preempted in this step)
+                    self._schedule_running(req, step, out)
+            elif step.admitting and not self.policy.defers(req, step.first_prefill):
+                self._admit(req, step, out)
+        if step.taken:
+            self.waiting = deque(r for r in self.waiting if r.request_id not in step.taken)
+        assert step.budget >= 0 and len(self.running) <= self.config.max_num_seqs
         return out
+
+    def _schedule_running(self, req: Request, step: _Step, out: SchedulerOutput) -> None:
+        num_new = self._chunk(req.num_tokens - req.num_computed_tokens, step.budget)
+        assert num_new > 0, "a running request always has a token to compute"
+        prefill = req.num_computed_tokens + num_new < req.num_tokens or num_new > 1
+        if prefill and self.policy.defers(req, step.first_prefill):
+            return
+        num_draft = self._num_draft_tokens(req, num_new, step.budget)
+        while not self.kv.allocate_slots(req, num_new, num_lookahead_tokens=num_draft):
+            if num_draft:  # drafts are optional: drop them before preempting anyone
+                num_draft = self._num_draft_tokens(req, num_new, 1)
+                continue
+            step.admitting = False
+            if self._preempt_for(req, self.policy.victim(self.running), step, out):
+                return
+        step.scheduled(req, num_new + num_draft, prefill, out)
+
+    def _admit(self, req: Request, step: _Step, out: SchedulerOutput) -> None:
+        hits = self.kv.get_computed_blocks(req)
+        if (step.in_prefill and len(hits) < (req.num_tokens - 1) // self.kv.block_size
+                and req.block_hashes[len(hits)] in step.in_prefill):
+            return  # its prefix is being computed: wait for it
+        while len(self.running) >= self.config.max_num_seqs:
+            if not self._outranked(req, step, out):
+                step.admitting = False
+                return
+        if self.kv_connector is not None:
+            loading = self._start_remote_load(req, hits)
+            if loading is False:
+                step.admitting = False  # no blocks for its load: wait, as for a prefill
+                return
+            if loading:
+                step.taken.add(req.request_id)
+                return
+        num_hit_tokens = len(hits) * self.kv.block_size
+        num_new = self._chunk(req.num_tokens - num_hit_tokens, step.budget)
+        while not self.kv.allocate_slots(req, num_new, hits):
+            if not self._outranked(req, step, out):
+                step.admitting = False
+                return
+        step.taken.add(req.request_id)
+        if req.num_cached_tokens < 0:  # first admission: count prefix-cache stats
+            req.num_cached_tokens = num_hit_tokens
+            out.num_prefix_queries += req.num_tokens
+            out.num_prefix_hits += num_hit_tokens
+        req.num_computed_tokens = num_hit_tokens
+        req.status = RequestStatus.RUNNING
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.time()
+        self.running.append(req)
+        step.scheduled(req, num_new, True, out)
+        step.in_prefill |= self._blocks_in_prefill([req])
+
+    def _outranked(self, req: Request, step: _Step, out: SchedulerOutput) -> bool:
+        """Preempt the policy's victim for waiting `req` if req outranks it."""
+        victim = self.policy.victim(self.running) if self.running else None
+        if victim is None or not self.policy.outranks(req, victim):
+            return False
+        self._preempt_for(req, victim, step, out)
+        return True
+
+    def _preempt_for(self, req: Request, victim: Request, step: _Step,
+                     out: SchedulerOutput) -> bool:
+        """Preempt `victim` (never one served this step but `req` itself); whether it was
+        `req`."""
+        assert victim is req or victim.request_id not in step.served, "victim already served"
+        self.running.remove(victim)
+        self._preempt(victim)
+        out.preempted.append(victim)
+        return victim is req
 
     def _blocks_in_prefill(self, reqs: list[Request]) -> set[int]:
         """Hashes of the full blocks of `reqs` not computed yet (none without prefix
@@ -174,7 +230,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(req)
+        self.policy.requeue(self.waiting, req)
 
     # -- KV connector hooks (disaggregated prefill/decode; the logic is in kv_transfer/) ----
     def _has_remote_loads(self) -> bool:

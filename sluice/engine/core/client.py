@@ -87,8 +87,8 @@ class EngineCoreClient:
 
     # -- the AsyncEngine interface ----------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, cache_salt: str | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams, cache_salt: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; closing the iterator early aborts the request.
         Validation errors (ValueError) and overload are raised before the first output."""
         if self.error is not None:
@@ -105,7 +105,7 @@ class EngineCoreClient:
             self._streams[request_id] = (loop, out_q, added)
             self._live.add(request_id)
         self._send(AddRequest(request_id, list(prompt_token_ids), params, cache_salt,
-                              time.time()))
+                              time.time(), priority))
         finished = False
         try:
             await added  # the core's validation error, if any

@@ -25,6 +25,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
     max_waiting_requests: int
     kv_role: str | None = None  # --kv-transfer-config's kv_role (None: no KV transfer)
     block_size: int = 16
+    scheduling_policy: str = "fcfs"
 
 
 # -- API process -> core ------------------------------------------------------------------
@@ -34,6 +35,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     params: SamplingParams
     cache_salt: str | None
     arrival_time: float
+    priority: int = 0
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):

@@ -144,7 +144,7 @@ class EngineCore:
                                self.llm.model.config.vocab_size,
                                cfg.scheduler.max_waiting_requests,
                                cfg.kv_transfer.kv_role if cfg.kv_transfer else None,
-                               self.llm.kv.block_size)
+                               self.llm.kv.block_size, cfg.scheduler.policy)
         self._changed = True
         self._last_metrics = 0.0
         self._counts = (0, 0)  # (running, waiting) as of the last metrics sent
@@ -183,7 +183,7 @@ class EngineCore:
         if isinstance(cmd, AddRequest):
             try:
                 self.llm.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
-                                     cmd.cache_salt, cmd.arrival_time)
+                                     cmd.cache_salt, cmd.arrival_time, cmd.priority)
             except ValueError as exc:
                 out.send(encoder.encode(Added(cmd.request_id, str(exc),
                                               isinstance(exc, PromptTooLongError))))

@@ -32,6 +32,7 @@ from sluice.engine.server.chat_render import check_chat_flags, encode_chat_reque
 from sluice.engine.server.disagg import DisaggLegs
 from sluice.engine.server.errors import RequestError, error_response, install_error_handlers
 from sluice.engine.server.json_body import StrictJSONRoute
+from sluice.engine.server.priority import request_priority
 from sluice.engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from sluice.engine.server.request_params import derived_fields
 from sluice.engine.server.responses import ResponsePlan, full_response, stream_events
@@ -176,6 +177,7 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str,
 
     async def _serve(raw: Request, body, prompts: list[list[int]], plan: ResponsePlan,
                      n_logprobs: int | None, derived: dict[str, Any], prompt_param: str):
+        priority = request_priority(raw.headers, body.priority, info.scheduling_policy)
         max_tokens, max_tokens_param = body.requested_max_tokens()
         for ids in prompts:
             check_context(len(ids), max_tokens, max_model_len, prompt_param, max_tokens_param)
@@ -197,7 +199,7 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str,
                 ids = prompts[i // body.n]
                 params = body.sampling_params(default_max_tokens(len(ids)), n_logprobs,
                                               i % body.n, sampling_defaults, **derived)
-                gen = engine.generate(f"{plan.rid}-{i}", ids, params, salt)
+                gen = engine.generate(f"{plan.rid}-{i}", ids, params, salt, priority)
                 streams.append(prime(gen))
                 await streams[-1].__anext__()  # surfaces validation / overload errors now
         except (ValueError, EngineOverloadedError, EngineDeadError) as exc:

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from sluice.engine.kv_transfer.params import KVTransferParams
 from sluice.engine.server.errors import RequestError
+from sluice.engine.server.priority import PRIORITY_HEADER
 
 log = logging.getLogger("sluice.engine")
 
@@ -134,7 +135,7 @@ class DisaggLegs:
             payload.pop(key, None)
         payload.update(stream=False, max_tokens=1, kv_transfer_params=_PREFILL_LEG_FIELDS)
         headers = {k: v for k, v in raw.headers.items()
-                   if k.lower() in ("authorization", "x-request-id")}
+                   if k.lower() in ("authorization", "x-request-id", PRIORITY_HEADER)}
         if self._http is None:
             self._http = httpx.AsyncClient(timeout=PREFILL_LEG_TIMEOUT)
         url = f"http://{host}:{port}{raw.url.path}"

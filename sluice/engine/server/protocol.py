@@ -75,6 +75,8 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None
+    # vLLM's: lower is served first (--scheduling-policy priority; server/priority.py)
+    priority: int = Field(default=0, ge=-(2**31 - 1), le=2**31 - 1)
     min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
     logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = (
         Field(default=None, max_length=MAX_LOGIT_BIAS_ENTRIES))

@@ -81,10 +81,10 @@ class Admission:
         return self.detector.score(self.rows(pods), now) >= ceiling
 
     async def admit(self, model: str, pods: list[str], api_key: str | None,
-                    headers: Mapping[str, str], size: int) -> Shed | bool:
+                    headers: Mapping[str, str], size: int, priority: int) -> Shed | bool:
         """A Shed: why the request is refused (see the module docstring); else whether it
-        was queued (then the caller calls `placed(model)` once it started or failed)."""
-        priority = self.objectives.priority(model, api_key, headers)
+        was queued (then the caller calls `placed(model)` once it started or failed).
+        `priority`: the request's (`self.objectives.priority`)."""
         if self.flow is not None:
             dispatched = False
 

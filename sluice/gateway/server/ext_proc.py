@@ -200,7 +200,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             return result
         return msg.route_to(result.endpoints, after_body=True,
                             engine_auth=self.picker.core.http.authorization,
-                            prefiller=result.prefiller)
+                            prefiller=result.prefiller, priority=result.priority)
 
     async def _streamed_body(self, ex: Exchange, req: pb.ProcessingRequest
                              ) -> list[pb.ProcessingResponse]:
@@ -227,7 +227,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         headers = streamed.route_headers(
             msg.route_to(result.endpoints, after_body=False,
                          engine_auth=self.picker.core.http.authorization,
-                         prefiller=result.prefiller),
+                         prefiller=result.prefiller, priority=result.priority),
             remove=msg.PICKER_HEADERS if ex.key_name is None
             else (*msg.PICKER_HEADERS, "authorization"),
             key_name=ex.key_name)

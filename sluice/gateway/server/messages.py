@@ -38,6 +38,10 @@ SUBSET = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 PREFILLER = "x-prefiller-host-port"  # llm-d's header: the decode engine prefills there
+# The request's objective priority (higher first), for engines that schedule by priority
+# (`sluice engine --scheduling-policy priority`); set on every routed request, so neither
+# this header nor the body's own `priority` field lets a client choose its priority.
+PRIORITY = "x-sluice-priority"
 KEY_NAME = "x-sluice-api-key-name"  # the client key's name, for the access log
 _OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
 # Asked for with the answer to a completion's headers: its body buffered, then its
@@ -153,17 +157,18 @@ QUEUED_KEEPALIVE = pb.ProcessingResponse(
 
 
 # Headers a client must never set: the picker alone chooses the pods.
-PICKER_HEADERS = (DESTINATION, PREFILLER)
+PICKER_HEADERS = (DESTINATION, PREFILLER, PRIORITY)
 # An open gateway's answer to every completion's headers: the same bytes each time.
 CONTINUE_OPEN = continue_request_headers(remove=PICKER_HEADERS)
 
 
 def route_to(endpoints: tuple[str, ...], after_body: bool,
-             engine_auth: str | None = None,
-             prefiller: str | None = None) -> pb.ProcessingResponse:
+             engine_auth: str | None = None, prefiller: str | None = None,
+             priority: int | None = None) -> pb.ProcessingResponse:
     """Send the request to `endpoints[0]`, then the others in order on retries;
     `engine_auth`: the engines' own Authorization header value; `prefiller`: the
-    prefill pod's `ip:port` (`x-prefiller-host-port`), for a disaggregated request."""
+    prefill pod's `ip:port` (`x-prefiller-host-port`), for a disaggregated request;
+    `priority`: its objective's priority (`PRIORITY`)."""
     assert endpoints and all(":" in e for e in endpoints), endpoints
     value = ",".join(endpoints)
     headers = {DESTINATION: value}
@@ -171,6 +176,8 @@ def route_to(endpoints: tuple[str, ...], after_body: bool,
         headers["authorization"] = engine_auth
     if prefiller is not None:
         headers[PREFILLER] = prefiller
+    if priority is not None:
+        headers[PRIORITY] = str(priority)
     answer = pb.ProcessingResponse()
     common = (answer.request_body if after_body else answer.request_headers).response
     _fill(common.header_mutation.set_headers, headers)

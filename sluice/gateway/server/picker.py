@@ -82,6 +82,7 @@ class Pick:
     pd_outcome: str = NO_ROLES       # the profile handler's outcome (`profiles/pd.py`)
     model: str = ""                  # its pool's key in flow control
     request: RoutingRequest | None = None  # what the routing plugins were shown
+    priority: int = 0                # its objective's (flow/objectives.py)
 
     @property
     def endpoints(self) -> tuple[str, ...]:
@@ -130,8 +131,9 @@ class EndpointPicker:
             return Rejection(429, f"every engine of {model!r} has {self.cfg.shed_waiting} "
                                   "or more requests waiting", retry_after=1)
         headers = headers or {}
+        priority = self.admission.objectives.priority(model, key_name, headers)
         queued = await self.admission.admit(model, decode_pods or pods, key_name, headers,
-                                            len(body))
+                                            len(body), priority)
         if isinstance(queued, Shed):
             core.metrics.errors.labels("shed").inc()
             return Rejection(queued.status, f"the engines of {model!r} are saturated: "
@@ -139,14 +141,14 @@ class EndpointPicker:
                              retry_after=queued.retry_after_s)
         try:
             return await self._route(kind, data, body, model, pods, has_roles, key_name,
-                                     headers)
+                                     headers, priority)
         finally:
             if queued:
                 self.admission.placed(model)
 
     async def _route(self, kind: str, data: dict, body: bytes, model: str, pods: list[str],
                      has_roles: bool, key_name: str | None,
-                     headers: dict[str, str]) -> Pick | Rejection:
+                     headers: dict[str, str], priority: int) -> Pick | Rejection:
         """Tokenize, rate-limit, schedule (steps 5 (its limits) and 6 of the module docstring)."""
         core = self.core
         started = time.perf_counter()
@@ -174,7 +176,7 @@ class EndpointPicker:
             core.metrics.pd_decided(r.outcome)
         if len(d.fallbacks) > self.cfg.max_fallbacks:
             d = dataclasses.replace(d, fallbacks=d.fallbacks[:self.cfg.max_fallbacks])
-        return Pick(d, r.prefill, r.outcome, model, req)
+        return Pick(d, r.prefill, r.outcome, model, req, priority)
 
     def _saturated(self, pods: list[str]) -> bool:
         loads, now_ms, limit = self.core.loads, time.time() * 1000, self.cfg.shed_waiting
