@@ -2,15 +2,18 @@
 engines, the picker, Envoy), with and without it, in one run.
 
     sluice bench flow [--engines 2] [--slots 8] [--seconds 40] [--high-rate 0.5]
-        [--low-rates 12,8,8]
+        [--low-rates 12,8,8] [--stacks engine_priority,flow_control,no_flow_control]
 
-Two stacks, one after the other, alike but for the picker's configuration: least_load's
-plugins plus a `concurrency-detector` (maxConcurrency = each engine's `--max-num-seqs`,
-`--slots`), and `--objective interactive=10 --objective batch=0`; `flow_control` also
-turns on the `flowControl` gate (round-robin fairness between tenants, 100 queued batch
-requests at most, `defaultRequestTTL` 60s, `priority-holdback-policy` minCeiling
-`--min-ceiling`, 0.75: batch requests wait once 3/4 of the slots are busy, interactive
-ones only when all are); `no_flow_control` does not. Each stack serves two phases:
+Stacks (`STACKS`), one after the other, alike but for the picker's configuration and the
+engines' scheduling policy: least_load's plugins plus a `concurrency-detector`
+(maxConcurrency = each engine's `--max-num-seqs`, `--slots`), and `--objective
+interactive=10 --objective batch=0`; `flow_control` also turns on the `flowControl` gate
+(round-robin fairness between tenants, 100 queued batch requests at most,
+`defaultRequestTTL` 60s, `priority-holdback-policy` minCeiling `--min-ceiling`, 0.75:
+batch requests wait once 3/4 of the slots are busy, interactive ones only when all are);
+`engine_priority` is flow_control with engines that schedule by the priority the picker
+passes on (`--scheduling-policy priority`); `no_flow_control` has neither. Each stack
+serves three phases:
 - `unloaded`: interactive requests alone (priority 10), Poisson at `--high-rate`;
 - `floor`: the same arrivals as `loaded`, but every batch request names a model no
   engine serves (the picker's 404): the client, Envoy and the picker work as hard,
@@ -43,6 +46,9 @@ import yaml
 from sluice.bench.serve_workloads import TextMaker
 
 TENANTS = ("a", "b", "c")
+# name -> (the picker's flowControl gate, the engines' --scheduling-policy)
+STACKS = {"engine_priority": (True, "priority"), "flow_control": (True, "fcfs"),
+          "no_flow_control": (False, "fcfs")}
 FLOOR_MODEL = "no-such-model"  # the floor phase's batch requests: 404 at the picker
 OBJECTIVES = ("interactive=10", "batch=0")
 
@@ -54,15 +60,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-ceiling", type=float, default=0.75,
                    help="priority-holdback-policy's minCeiling: batch waits once this "
                         "fraction of the slots is busy")
-    p.add_argument("--engine-args", default="--num-threads 1 --scheduling-policy priority",
-                   help="more `sluice engine` flags (one string); with the priority policy "
-                        "the engines serve the interactive objective first too")
+    p.add_argument("--engine-args", default="--num-threads 1",
+                   help="more `sluice engine` flags (one string)")
     p.add_argument("--seconds", type=float, default=40.0, help="each phase's length")
     p.add_argument("--high-rate", type=float, default=0.5, help="interactive requests/s")
     p.add_argument("--low-rates", default="12,8,8", help="batch requests/s of tenants a,b,c")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prompt-words", type=int, default=60)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stacks", default=",".join(STACKS),
+                   help=f"which stacks to run, in order (of {', '.join(STACKS)})")
     p.add_argument("--result-json", default=None)
 
 
@@ -162,14 +169,16 @@ async def phase(url: str, model: str, args, loaded: bool, rng: random.Random,
     return row
 
 
-def run_stack(name: str, flow: bool, args) -> list[dict]:
+def run_stack(name: str, args) -> list[dict]:
     from sluice.local.stack import LocalStack, StackConfig, free_port
 
+    flow, policy = STACKS[name]
     path = os.path.join(tempfile.mkdtemp(prefix="sluice-flow-"), "epp.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(epp_config(flow, args.slots, args.min_ceiling), f)
     gateway = ["--config", path, *(f"--objective={o}" for o in OBJECTIVES)]
-    engine_args = (*args.engine_args.split(), "--max-num-seqs", str(args.slots))
+    engine_args = (*args.engine_args.split(), "--max-num-seqs", str(args.slots),
+                   "--scheduling-policy", policy)
     stack = LocalStack(StackConfig(engines=args.engines, routing="least_load",
                                    port=free_port(), engine_args=engine_args,
                                    gateway_args=tuple(gateway), log_level="warning"),
@@ -205,13 +214,18 @@ def run_stack(name: str, flow: bool, args) -> list[dict]:
 
 
 def main(args: argparse.Namespace) -> int:
-    print(f"stacks: {args.engines} engines ({args.engine_args} --max-num-seqs {args.slots}); "
+    names = args.stacks.split(",")
+    if unknown := set(names) - set(STACKS):
+        raise SystemExit(f"--stacks: unknown {sorted(unknown)} (of {', '.join(STACKS)})")
+    print(f"stacks: {', '.join(names)}: {args.engines} engines ({args.engine_args} "
+          f"--max-num-seqs {args.slots} --scheduling-policy fcfs, or priority for "
+          f"engine_priority); "
           f"picker: least_load's scorers, concurrency-detector maxConcurrency {args.slots}, "
           f"objectives {', '.join(OBJECTIVES)}; flow_control adds featureGates "
           f"[flowControl] (round-robin tenants, batch band 100 requests, TTL 60s, "
           f"priority-holdback-policy minCeiling {args.min_ceiling}: batch waits at that "
           f"fraction of the slots)")
-    rows = run_stack("flow_control", True, args) + run_stack("no_flow_control", False, args)
+    rows = [row for name in names for row in run_stack(name, args)]
     for r in rows:
         print(json.dumps(r))
     if args.result_json:
