@@ -78,7 +78,9 @@ def serve_like_vllm(argv: list[str]) -> None:
     known, _ = p.parse_known_args(argv)
     core = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     _record({"argv": argv, "pid": os.getpid(), "core_pid": core.pid,
-             "kv_space": os.environ.get("VLLM_CPU_KVCACHE_SPACE")})
+             "kv_space": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+             "omp_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+             "reserved_cpus": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU")})
     app = streaming_app(0.001, {"model": known.served_model_name})
     uvicorn.run(app, host="127.0.0.1", port=known.port, log_level="error")
 

@@ -19,7 +19,9 @@ from fake_engine import ThreadServer
 from fake_vllm import install, streaming_app
 
 from sluice.bench import engine_compare
+from sluice.bench import engine_compare_threads as threads
 from sluice.bench.engine import workload
+from sluice.bench.engine_compare_procs import Server
 from sluice.cli import main
 
 DUMMY = ["--load-format", "dummy", "--model", "tiny-llama"]
@@ -69,7 +71,8 @@ def test_serving_runs_the_same_requests_on_both_and_reports_ratios(tmp_path):
         assert main(["bench", "engine", "--mode", "serving", "--compare", "vllm", *DUMMY,
                      "--vllm-url", vllm.url, "--sluice-url", sluice.url, "--levels", "2:4,3:3",
                      "--output-json", str(out)]) == 0
-    report = json.loads(out.read_text())
+    (report,) = json.loads(out.read_text())["setups"]  # running servers: one run
+    assert report["binding"]["vllm"] == f"the running server at {vllm.url}"
     assert [(lv["concurrency"], lv["requests"]) for lv in report["levels"]] == [(2, 4), (3, 3)]
 
     def measured(state):  # the 2 warm-up requests come first
@@ -105,6 +108,58 @@ def test_bench_starts_vllm_with_the_engine_settings_and_stops_it(fake_vllm_env):
     assert argv[argv.index("--dtype") + 1] in ("bfloat16", "float32")
     assert "--enforce-eager" in argv and started["kv_space"] == "3"
     assert _wait_gone(started["pid"], started["core_pid"])
+
+
+def test_each_thread_setup_runs_both_engines_and_reports_their_binding(fake_vllm_env,
+                                                                       monkeypatch, tmp_path):
+    record, _, flags = fake_vllm_env
+    sluice_runs = []
+
+    def fake_sluice(engine_args, log_dir, prefix=()):
+        sluice_runs.append((engine_args, list(prefix)))
+        server = ThreadServer(streaming_app(0.0, {"model": "s"})).__enter__()
+        started = Server("sluice", server.url)
+        started.stop = lambda: server.__exit__(None, None, None)
+        return started
+
+    monkeypatch.setattr(engine_compare, "start_sluice", fake_sluice)
+    out = tmp_path / "setups.json"
+    assert main(["bench", "engine", "--mode", "serving", "--compare", "vllm", *flags,
+                 "--levels", "1:2", "--output-json", str(out)]) == 0
+    usable = threads.usable_cpu_ids()
+    setups = json.loads(out.read_text())["setups"]
+    assert [s["threads"] for s in setups] == ["defaults", "equal"]
+    assert [args[args.index("--num-threads") + 1] for args, _ in sluice_runs] == [
+        str(max(1, len(usable) - 1)), str(len(usable))]
+    assert all(not prefix for _, prefix in sluice_runs)  # every usable CPU: nothing to pin
+    equal = setups[1]["binding"]
+    assert equal["vllm"] == (f"VLLM_CPU_OMP_THREADS_BIND={threads.cpu_list(usable)}, "
+                             "VLLM_CPU_NUM_OF_RESERVED_CPU=0")
+    assert equal["sluice"].startswith(f"--num-threads {len(usable)}, unpinned")
+    last = json.loads(record.read_text())  # the equal setup's vLLM
+    assert (last["omp_bind"], last["reserved_cpus"]) == (threads.cpu_list(usable), "0")
+    assert all(lv["vllm"]["failed"] == lv["sluice"]["failed"] == 0
+               for s in setups for lv in s["levels"])
+
+
+def test_thread_setups_give_vllm_the_cpus_sluice_computes_on():
+    four = (0, 1, 2, 3)
+    equal = threads.setup("equal", None, {"KEEP": "1"}, four)
+    assert (equal.sluice_threads, equal.sluice_cpus, equal.sluice_prefix()) == (4, None, [])
+    assert equal.vllm_env == {"KEEP": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-3",
+                              "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    two = threads.setup("equal", 2, {}, four)  # fewer than usable: Sluice pinned to them
+    assert two.sluice_prefix() == ["taskset", "-c", "0-1"]
+    assert two.vllm_env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    defaults = threads.setup("defaults", None, {"KEEP": "1"}, four)
+    assert (defaults.sluice_threads, defaults.vllm_env) == (3, {"KEEP": "1"})
+    assert threads.setup("defaults", 2, {}, four).sluice_threads == 2
+    assert threads.cpu_list((0, 1, 2, 3, 6, 8, 9)) == "0-3,6,8-9"
+    with pytest.raises(SystemExit):
+        threads.setup("equal", 5, {}, four)
+    for bad in ("", "all", "equal,fast"):
+        with pytest.raises(SystemExit):
+            threads.parse_setups(bad)
 
 
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])

@@ -34,7 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sluice.bench import engine_compare_threads as threads
 from sluice.bench.engine_compare_procs import Process, Server, start_sluice, start_vllm
+from sluice.bench.engine_compare_report import format_setup, ratios
 from sluice.bench.serve_client import run
 from sluice.bench.serve_stats import summarize
 from sluice.bench.serve_workloads import Request, TextMaker
@@ -44,12 +46,6 @@ PROMPT_WORDS = (50, 400)
 OUTPUT_TOKENS = (50, 200)
 DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
 OFFLINE_SCRIPT = Path(__file__).with_name("engine_compare_vllm_offline.py")
-# (label, summary -> value): what the report shows of each run, and takes ratios of
-FIGURES = (("out tok/s", lambda s: s["output_throughput"]),
-           ("TTFT p50", lambda s: s["ttft_ms"]["p50"]),
-           ("TTFT p90", lambda s: s["ttft_ms"]["p90"]),
-           ("TPOT p50", lambda s: s["tpot_ms"]["p50"]),
-           ("ITL p50", lambda s: s["itl_ms"]["p50"]))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -75,6 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "engine flags given here)")
     p.add_argument("--levels", default="8:32,32:64",
                    help="serving: CONCURRENCY:REQUESTS runs, comma-separated")
+    p.add_argument("--thread-setups", default=",".join(threads.SETUPS),
+                   help="serving: the cores each engine gets, one run of both per setup: "
+                        "defaults (each engine's own) and equal (both on the same "
+                        "--num-threads CPUs, default all; engine_compare_threads.py)")
 
 
 def parse_levels(text: str) -> list[tuple[int, int]]:
@@ -184,30 +184,6 @@ def measure(server: Server, runs: list[tuple[int, list[Request]]], seed: int) ->
     return summaries
 
 
-def ratios(vllm: dict, sluice: dict) -> dict[str, float]:
-    """Sluice / vLLM for every reported figure (NaN where vLLM's is 0)."""
-    out = {}
-    for label, fn in FIGURES:
-        v = fn(vllm)
-        out[label] = fn(sluice) / v if v else float("nan")
-    return out
-
-
-def format_report(levels: list[dict]) -> str:
-    head = f"{'run':<20}" + "".join(f"{label:>11}" for label, _ in FIGURES) + f"{'ok/fail':>9}"
-    lines = [head, "-" * len(head)]
-    for level in levels:
-        tag = f"c={level['concurrency']} n={level['requests']}"
-        for name in ("vllm", "sluice"):
-            s = level[name]
-            lines.append(f"{name + ' ' + tag:<20}" + "".join(f"{fn(s):>11.1f}" for _, fn in
-                                                            FIGURES)
-                         + f"{s['completed']:>5}/{s['failed']}")
-        lines.append(f"{'sluice/vllm':<20}" + "".join(f"{level['ratio'][label]:>10.2f}x"
-                                                      for label, _ in FIGURES))
-    return "\n".join(lines + ["(latencies in ms; ratio: sluice / vllm)"])
-
-
 def main_serving(config: EngineConfig, args: argparse.Namespace) -> int:
     levels = parse_levels(args.levels)
     workload = serving_workload(sum(n for _, n in levels), args.seed)
@@ -217,37 +193,55 @@ def main_serving(config: EngineConfig, args: argparse.Namespace) -> int:
         start += n
     log_dir = Path(tempfile.mkdtemp(prefix="sluice-bench-compare-"))
     print(f"logs of the servers started: {log_dir}", file=sys.stderr, flush=True)
-    measured: dict[str, list[dict]] = {}
-    for name in ("vllm", "sluice"):  # one after the other: never both started at once
-        server = _server(name, config, args, log_dir)
-        try:
-            server.wait_ready(args.vllm_timeout if name == "vllm" else 600.0)
-            measured[name] = measure(server, runs, args.seed)
-        finally:
-            server.stop()
-    report = [{"concurrency": c, "requests": len(reqs), "vllm": v, "sluice": s,
-               "ratio": ratios(v, s)}
-              for (c, reqs), v, s in zip(runs, measured["vllm"], measured["sluice"])]
-    print(format_report(report))
+    usable = threads.usable_cpu_ids()
+    # (a running server's threads are its own: one run, the other engine as by default)
+    names = (["defaults"] if args.vllm_url or args.sluice_url
+             else threads.parse_setups(args.thread_setups))
+    setups = [threads.setup(n, args.num_threads, _env(args.vllm_env), usable) for n in names]
+    results = []
+    for setup in setups:
+        measured: dict[str, list[dict]] = {}
+        for name in ("vllm", "sluice"):  # one after the other: never both started at once
+            server = _server(name, config, args, log_dir, setup)
+            try:
+                server.wait_ready(args.vllm_timeout if name == "vllm" else 600.0)
+                measured[name] = measure(server, runs, args.seed)
+            finally:
+                server.stop()
+        binding = setup.describe(usable)
+        for name, url in (("vllm", args.vllm_url), ("sluice", args.sluice_url)):
+            if url:
+                binding[name] = f"the running server at {url}"
+        report = [{"concurrency": c, "requests": len(reqs), "vllm": v, "sluice": s,
+                   "ratio": ratios(v, s)}
+                  for (c, reqs), v, s in zip(runs, measured["vllm"], measured["sluice"])]
+        results.append({"threads": setup.name, "binding": binding, "levels": report})
+        print(format_setup(results[-1]["threads"], binding, report), flush=True)
     if args.output_json:
         meta = {"mode": "serving", "model": config.model, "date": time.strftime("%Y-%m-%d"),
                 "prompt_words": PROMPT_WORDS, "output_tokens": OUTPUT_TOKENS, "seed": args.seed}
         with open(args.output_json, "w") as f:
-            json.dump({**meta, "levels": report}, f, indent=2, default=str)
-    return 0 if all(r[k]["failed"] == 0 for r in report for k in ("vllm", "sluice")) else 1
+            json.dump({**meta, "setups": results}, f, indent=2, default=str)
+    return 0 if all(lv[k]["failed"] == 0 for r in results for lv in r["levels"]
+                    for k in ("vllm", "sluice")) else 1
 
 
-def _server(name: str, config: EngineConfig, args: argparse.Namespace, log_dir: Path) -> Server:
+def _server(name: str, config: EngineConfig, args: argparse.Namespace, log_dir: Path,
+            setup: threads.ThreadSetup) -> Server:
     url = args.vllm_url if name == "vllm" else args.sluice_url
     if url:
         return Server(name, url)
     if name == "sluice":
-        return start_sluice(engine_argv(args), log_dir)
+        argv = engine_argv(args)
+        if "--num-threads" in argv:
+            del argv[argv.index("--num-threads"):argv.index("--num-threads") + 2]
+        return start_sluice([*argv, "--num-threads", str(setup.sluice_threads)], log_dir,
+                            setup.sluice_prefix())
     python = vllm_python(args)
     return start_vllm(python, vllm_model_dir(config, args), log_dir, dtype=dtype_name(config),
                       max_model_len=max_model_len(config), seed=config.seed,
                       served_name=config.served_model_name, kv_space_gib=kv_space_gib(config),
-                      extra_args=shlex.split(args.vllm_args), extra_env=_env(args.vllm_env))
+                      extra_args=shlex.split(args.vllm_args), extra_env=setup.vllm_env)
 
 
 def _env(pairs: list[str]) -> dict[str, str]:
