@@ -15,8 +15,8 @@ import torch
 
 from sluice.engine.attention.backend import AttentionBackend
 from sluice.engine.config import ModelConfig
-from sluice.engine.model.cpu_linear import can_pack, pack_linears
 from sluice.engine.model.decoder import CausalLM
+from sluice.engine.model.linear import Linear
 from sluice.engine.shapes import SHAPES
 
 _FUSED = {  # fused parameter -> its parts, in order
@@ -66,8 +66,9 @@ def load_model(model: str, load_format: str, backend: AttentionBackend, dtype: t
     # runs the model in (an input that requires grad sends the packed linears' oneDNN op
     # through autograd's fallback: ~700x slower).
     lm.requires_grad_(False)
-    if can_pack(dtype, device):
-        pack_linears(lm)  # (after loading: packing copies the weights it is given)
+    for module in lm.modules():  # (after loading: a kernel may reorder the weights)
+        if isinstance(module, Linear):
+            module.process_weights_after_loading()
     return lm.eval()
 
 

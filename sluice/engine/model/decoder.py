@@ -15,6 +15,7 @@ from torch import nn
 from sluice.engine.attention.backend import AttentionBackend, AttentionMetadata
 from sluice.engine.config import ModelConfig
 from sluice.engine.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from sluice.engine.model.linear import Linear
 
 
 class Attention(nn.Module):
@@ -24,9 +25,9 @@ class Attention(nn.Module):
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                               bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.backend = backend
@@ -74,7 +75,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderBody(cfg, backend)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

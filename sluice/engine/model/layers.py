@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sluice.engine import kernels
+from sluice.engine.model.linear import Linear
 
 BF16 = torch.bfloat16
 
@@ -111,8 +112,8 @@ class SwiGLU(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate)
+        self.down_proj = Linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
