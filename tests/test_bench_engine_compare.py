@@ -113,10 +113,10 @@ def test_bench_starts_vllm_with_the_engine_settings_and_stops_it(fake_vllm_env):
 def test_each_thread_setup_runs_both_engines_and_reports_their_binding(fake_vllm_env,
                                                                        monkeypatch, tmp_path):
     record, _, flags = fake_vllm_env
-    sluice_runs = []
+    sluice_threads = []
 
-    def fake_sluice(engine_args, log_dir, prefix=()):
-        sluice_runs.append((engine_args, list(prefix)))
+    def fake_sluice(engine_args, log_dir):
+        sluice_threads.append(engine_args[engine_args.index("--num-threads") + 1])
         server = ThreadServer(streaming_app(0.0, {"model": "s"})).__enter__()
         started = Server("sluice", server.url)
         started.stop = lambda: server.__exit__(None, None, None)
@@ -125,39 +125,42 @@ def test_each_thread_setup_runs_both_engines_and_reports_their_binding(fake_vllm
     monkeypatch.setattr(engine_compare, "start_sluice", fake_sluice)
     out = tmp_path / "setups.json"
     assert main(["bench", "engine", "--mode", "serving", "--compare", "vllm", *flags,
-                 "--levels", "1:2", "--output-json", str(out)]) == 0
+                 "--levels", "1:2", "--thread-setups", "defaults,equal:1,equal",
+                 "--output-json", str(out)]) == 0
     usable = threads.usable_cpu_ids()
     setups = json.loads(out.read_text())["setups"]
-    assert [s["threads"] for s in setups] == ["defaults", "equal"]
-    assert [args[args.index("--num-threads") + 1] for args, _ in sluice_runs] == [
-        str(max(1, len(usable) - 1)), str(len(usable))]
-    assert all(not prefix for _, prefix in sluice_runs)  # every usable CPU: nothing to pin
-    equal = setups[1]["binding"]
-    assert equal["vllm"] == (f"VLLM_CPU_OMP_THREADS_BIND={threads.cpu_list(usable)}, "
-                             "VLLM_CPU_NUM_OF_RESERVED_CPU=0")
-    assert equal["sluice"].startswith(f"--num-threads {len(usable)}, unpinned")
-    last = json.loads(record.read_text())  # the equal setup's vLLM
+    assert [s["threads"] for s in setups] == ["defaults", "equal:1", f"equal:{len(usable)}"]
+    assert sluice_threads == [str(max(1, len(usable) - 1)), "1", str(len(usable))]
+    one, every = setups[1]["binding"], setups[2]["binding"]
+    assert one["vllm"].startswith("VLLM_CPU_OMP_THREADS_BIND=0, VLLM_CPU_NUM_OF_RESERVED_CPU=0")
+    assert every["vllm"].startswith(f"VLLM_CPU_OMP_THREADS_BIND={threads.cpu_list(usable)}, "
+                                    "VLLM_CPU_NUM_OF_RESERVED_CPU=0")
+    assert every["sluice"].startswith(f"--num-threads {len(usable)}, unpinned")
+    last = json.loads(record.read_text())  # the last setup's vLLM
     assert (last["omp_bind"], last["reserved_cpus"]) == (threads.cpu_list(usable), "0")
     assert all(lv["vllm"]["failed"] == lv["sluice"]["failed"] == 0
                for s in setups for lv in s["levels"])
 
 
-def test_thread_setups_give_vllm_the_cpus_sluice_computes_on():
+def test_thread_setups_give_vllm_as_many_threads_as_sluice():
     four = (0, 1, 2, 3)
-    equal = threads.setup("equal", None, {"KEEP": "1"}, four)
-    assert (equal.sluice_threads, equal.sluice_cpus, equal.sluice_prefix()) == (4, None, [])
-    assert equal.vllm_env == {"KEEP": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-3",
+    equal = threads.setup("equal", None, {"KEEP": "1"}, four, "/lib/tc.so")
+    assert (equal.name, equal.sluice_threads) == ("equal:4", 4)
+    assert equal.vllm_env == {"KEEP": "1", "LD_PRELOAD": "/lib/tc.so",
+                              "VLLM_CPU_OMP_THREADS_BIND": "0-3",
                               "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    two = threads.setup("equal", 2, {}, four)  # fewer than usable: Sluice pinned to them
-    assert two.sluice_prefix() == ["taskset", "-c", "0-1"]
-    assert two.vllm_env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    two = threads.setup("equal:2", 3, {}, four)  # the setup's count wins over --num-threads
+    assert (two.sluice_threads, two.vllm_env["VLLM_CPU_OMP_THREADS_BIND"]) == (2, "0-1")
+    assert threads.setup("equal", 3, {}, four).sluice_threads == 3
+    mine = threads.setup("equal", None, {"VLLM_CPU_OMP_THREADS_BIND": "2-3"}, four)
+    assert mine.vllm_env["VLLM_CPU_OMP_THREADS_BIND"] == "2-3"  # the user's --vllm-env wins
     defaults = threads.setup("defaults", None, {"KEEP": "1"}, four)
     assert (defaults.sluice_threads, defaults.vllm_env) == (3, {"KEEP": "1"})
-    assert threads.setup("defaults", 2, {}, four).sluice_threads == 2
     assert threads.cpu_list((0, 1, 2, 3, 6, 8, 9)) == "0-3,6,8-9"
     with pytest.raises(SystemExit):
-        threads.setup("equal", 5, {}, four)
-    for bad in ("", "all", "equal,fast"):
+        threads.setup("equal:5", None, {}, four)
+    assert threads.parse_setups("defaults, equal:1,equal") == ["defaults", "equal:1", "equal"]
+    for bad in ("", "all", "equal,fast", "equal:x", "defaults:1"):
         with pytest.raises(SystemExit):
             threads.parse_setups(bad)
 

@@ -73,8 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="serving: CONCURRENCY:REQUESTS runs, comma-separated")
     p.add_argument("--thread-setups", default=",".join(threads.SETUPS),
                    help="serving: the cores each engine gets, one run of both per setup: "
-                        "defaults (each engine's own) and equal (both on the same "
-                        "--num-threads CPUs, default all; engine_compare_threads.py)")
+                        "defaults (each engine's own), equal (both on --num-threads "
+                        "threads, default all CPUs) or equal:THREADS "
+                        "(engine_compare_threads.py)")
 
 
 def parse_levels(text: str) -> list[tuple[int, int]]:
@@ -197,12 +198,16 @@ def main_serving(config: EngineConfig, args: argparse.Namespace) -> int:
     # (a running server's threads are its own: one run, the other engine as by default)
     names = (["defaults"] if args.vllm_url or args.sluice_url
              else threads.parse_setups(args.thread_setups))
-    setups = [threads.setup(n, args.num_threads, _env(args.vllm_env), usable) for n in names]
+    preload = None if args.vllm_url else threads.vllm_preload(vllm_python(args))
+    setups = [threads.setup(n, args.num_threads, _env(args.vllm_env), usable, preload)
+              for n in names]
     results = []
     for setup in setups:
         measured: dict[str, list[dict]] = {}
+        setup_logs = log_dir / setup.name.replace(":", "-")
+        setup_logs.mkdir()
         for name in ("vllm", "sluice"):  # one after the other: never both started at once
-            server = _server(name, config, args, log_dir, setup)
+            server = _server(name, config, args, setup_logs, setup)
             try:
                 server.wait_ready(args.vllm_timeout if name == "vllm" else 600.0)
                 measured[name] = measure(server, runs, args.seed)
@@ -235,8 +240,7 @@ def _server(name: str, config: EngineConfig, args: argparse.Namespace, log_dir: 
         argv = engine_argv(args)
         if "--num-threads" in argv:
             del argv[argv.index("--num-threads"):argv.index("--num-threads") + 2]
-        return start_sluice([*argv, "--num-threads", str(setup.sluice_threads)], log_dir,
-                            setup.sluice_prefix())
+        return start_sluice([*argv, "--num-threads", str(setup.sluice_threads)], log_dir)
     python = vllm_python(args)
     return start_vllm(python, vllm_model_dir(config, args), log_dir, dtype=dtype_name(config),
                       max_model_len=max_model_len(config), seed=config.seed,

@@ -116,11 +116,10 @@ def start_vllm(python: str, model_dir: str, log_dir: Path, *, dtype: str, max_mo
     return Server("vllm", f"http://127.0.0.1:{port}", process)
 
 
-def start_sluice(engine_args: list[str], log_dir: Path, prefix: list[str] = ()) -> Server:
-    """`sluice engine` with the bench's engine flags, on a free loopback port; `prefix`:
-    what to run it under (taskset)."""
+def start_sluice(engine_args: list[str], log_dir: Path) -> Server:
+    """`sluice engine` with the bench's engine flags, on a free loopback port."""
     port = free_port()
-    argv = [*prefix, sys.executable, "-m", "sluice.cli", "engine", "--host", "127.0.0.1",
+    argv = [sys.executable, "-m", "sluice.cli", "engine", "--host", "127.0.0.1",
             "--port", str(port), "--log-level", "warning", *engine_args]
     process = Process("sluice", argv, log_dir / "sluice.log")
     return Server("sluice", f"http://127.0.0.1:{port}", process)

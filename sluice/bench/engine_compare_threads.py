@@ -1,45 +1,44 @@
 """The cores each engine gets in `sluice bench engine --compare vllm --mode serving`.
 
 Setups (`--thread-setups`, each one run of both engines):
-- `defaults`: each engine as it starts by default. Sluice: `--num-threads` as given,
-  else one CPU fewer than it may use (sluice/cpus.py). vLLM: its automatic OpenMP
-  binding, which on a small machine keeps a CPU for its API process (`--vllm-env` may
-  set its variables).
-- `equal`: both engines compute on the same T CPUs, the first T of this process's
-  affinity mask. T is `--num-threads`, else every CPU this process may use. vLLM gets
-  `VLLM_CPU_OMP_THREADS_BIND` naming those CPUs and `VLLM_CPU_NUM_OF_RESERVED_CPU=0`,
-  since Sluice reserves none then. Sluice gets `--num-threads T`, and is pinned to those
-  CPUs with `taskset` when they are fewer than the usable ones.
-Every report prints each engine's binding.
+- `defaults`: each engine as it starts by default. Sluice runs `--num-threads` as given,
+  else one CPU fewer than it may use (sluice/cpus.py). vLLM runs its automatic OpenMP
+  binding, which on a small machine keeps a CPU for its API process.
+- `equal` (or `equal:T`): both engines compute on T threads. T is `:T`, else
+  `--num-threads`, else every CPU this process may use.
+  - vLLM's OpenMP threads are bound to the first T CPUs of the affinity mask
+    (`VLLM_CPU_OMP_THREADS_BIND`), with `VLLM_CPU_NUM_OF_RESERVED_CPU=0`: Sluice keeps
+    no CPU aside either.
+  - Sluice gets `--num-threads T`.
+  - Neither engine's API process is pinned.
+In every setup vLLM runs with the allocator and OpenMP runtime its CPU guide preloads
+(tcmalloc, and the libiomp5 of its own environment), where they are installed. A
+`--vllm-env` the user gives wins. Every report prints each engine's setup.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 SETUPS = ("defaults", "equal")
+TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+            "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4")
 
 
 @dataclass(frozen=True)
 class ThreadSetup:
     name: str
     sluice_threads: int
-    sluice_cpus: tuple[int, ...] | None  # pinned to these; None: free on the usable CPUs
     vllm_env: dict[str, str] = field(default_factory=dict)
 
     def describe(self, usable: tuple[int, ...]) -> dict[str, str]:
-        where = cpu_list(self.sluice_cpus) if self.sluice_cpus else (
-            f"unpinned on CPUs {cpu_list(usable)}")
-        bind = self.vllm_env.get("VLLM_CPU_OMP_THREADS_BIND", "auto (vLLM's default)")
-        reserved = self.vllm_env.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "vLLM's default")
-        return {"sluice": f"--num-threads {self.sluice_threads}, {where}",
-                "vllm": f"VLLM_CPU_OMP_THREADS_BIND={bind}, "
-                        f"VLLM_CPU_NUM_OF_RESERVED_CPU={reserved}"}
-
-    def sluice_prefix(self) -> list[str]:
-        """What to run `sluice engine` under (taskset when pinned)."""
-        return ["taskset", "-c", cpu_list(self.sluice_cpus)] if self.sluice_cpus else []
+        env = self.vllm_env
+        return {"sluice": f"--num-threads {self.sluice_threads}, unpinned on CPUs "
+                          f"{cpu_list(usable)}",
+                "vllm": ", ".join(f"{k}={env.get(k, 'its default')}" for k in (
+                    "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU", "LD_PRELOAD"))}
 
 
 def usable_cpu_ids() -> tuple[int, ...]:
@@ -49,31 +48,39 @@ def usable_cpu_ids() -> tuple[int, ...]:
         return tuple(range(os.cpu_count() or 1))
 
 
-def default_sluice_threads(num_threads: int | None, usable: int) -> int:
-    from sluice.cpus import engine_threads
-
-    return num_threads or engine_threads(usable)
+def vllm_preload(python: str | None) -> str | None:
+    """vLLM's recommended LD_PRELOAD on CPU: tcmalloc and its environment's libiomp5, those
+    of them that exist; None when neither does."""
+    found = [p for p in TCMALLOC if os.path.exists(p)][:1]
+    if python:
+        iomp = Path(python).parent.parent / "lib" / "libiomp5.so"  # (the venv's, unresolved)
+        if iomp.exists():
+            found.append(str(iomp))
+    return ":".join(found) or None
 
 
 def setup(name: str, num_threads: int | None, vllm_env: dict[str, str],
-          usable: tuple[int, ...]) -> ThreadSetup:
+          usable: tuple[int, ...], preload: str | None = None) -> ThreadSetup:
     """`name`'s threads for both engines (see the module docstring); `vllm_env`: the
-    user's `--vllm-env`, kept in `defaults` and overridden in `equal`."""
+    user's `--vllm-env`, which wins over what a setup sets."""
+    base = {"LD_PRELOAD": preload} if preload else {}
     if name == "defaults":
-        return ThreadSetup(name, default_sluice_threads(num_threads, len(usable)), None,
-                           dict(vllm_env))
-    assert name == "equal", name
-    threads = num_threads or len(usable)
-    if threads > len(usable):
-        raise SystemExit(f"--num-threads {threads}: only {len(usable)} CPUs are usable")
-    cpus = usable[:threads]
-    env = {**vllm_env, "VLLM_CPU_OMP_THREADS_BIND": cpu_list(cpus),
-           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    return ThreadSetup(name, threads, cpus if len(cpus) < len(usable) else None, env)
+        from sluice.cpus import engine_threads
+
+        return ThreadSetup(name, num_threads or engine_threads(len(usable)),
+                           {**base, **vllm_env})
+    kind, _, count = name.partition(":")
+    assert kind == "equal", name
+    threads = int(count) if count else num_threads or len(usable)
+    if not 1 <= threads <= len(usable):
+        raise SystemExit(f"{name}: {threads} threads, but {len(usable)} CPUs are usable")
+    env = {**base, "VLLM_CPU_OMP_THREADS_BIND": cpu_list(usable[:threads]),
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", **vllm_env}
+    return ThreadSetup(f"equal:{threads}", threads, env)
 
 
 def cpu_list(cpus: tuple[int, ...]) -> str:
-    """`0-3,6` for (0, 1, 2, 3, 6): the form taskset and VLLM_CPU_OMP_THREADS_BIND take."""
+    """`0-3,6` for (0, 1, 2, 3, 6): the form VLLM_CPU_OMP_THREADS_BIND takes."""
     parts, i = [], 0
     while i < len(cpus):
         j = i
@@ -85,7 +92,12 @@ def cpu_list(cpus: tuple[int, ...]) -> str:
 
 
 def parse_setups(text: str) -> list[str]:
+    """`defaults,equal,equal:1`: the setup names, checked."""
     names = [n.strip() for n in text.split(",") if n.strip()]
-    if not names or set(names) - set(SETUPS):
-        raise SystemExit(f"--thread-setups: {text!r}: a list of {', '.join(SETUPS)}")
+    for n in names:
+        kind, sep, count = n.partition(":")
+        if kind not in SETUPS or (sep and (kind != "equal" or not count.isdigit())):
+            raise SystemExit(f"--thread-setups: {n!r}: defaults, equal or equal:THREADS")
+    if not names:
+        raise SystemExit("--thread-setups: name at least one setup")
     return names
