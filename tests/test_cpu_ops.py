@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from sluice.engine.attention.torch_backend import TorchAttentionBackend
+from sluice.engine.layers.layernorm import RMSNorm
+from sluice.engine.layers.rotary_embedding import RotaryEmbedding
 from sluice.engine.loader import load_model
-from sluice.engine.model.layers import RMSNorm, RotaryEmbedding
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 300])

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sluice.engine.model.linear import Linear, can_pack
+from sluice.engine.layers.linear import Linear, can_pack
 
 needs_bf16 = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
                                 reason="no oneDNN bf16 kernels on this CPU")

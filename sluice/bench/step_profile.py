@@ -156,7 +156,7 @@ def main(args: argparse.Namespace) -> int:
     llm.step()  # one untimed decode step: first-call allocations
     context = sum(r.num_tokens for r in llm.scheduler.running) / args.batch_size
     phases = time_phases(llm, args.steps)
-    backend = type(llm.model.model.layers[0].self_attn.backend).__name__
+    backend = type(llm.model.attn_backend).__name__
     result = {"batch_size": args.batch_size, "mean_context": context, "dtype": str(llm.dtype),
               "attention_backend": backend,
               "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),

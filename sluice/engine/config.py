@@ -6,9 +6,8 @@ import re
 from dataclasses import dataclass, field
 
 from sluice.engine.kv_transfer.config import KVTransferConfig
+from sluice.engine.models.registry import architecture_of
 from sluice.engine.spec_decode.config import SpeculativeConfig
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -16,6 +15,7 @@ class ModelConfig:
     """The decoder's shape, read from a Hugging Face `config.json` dict."""
 
     model_type: str
+    architecture: str  # the family (models/registry.py)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -27,8 +27,7 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool  # Qwen2: bias on q/k/v
-    qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k
+    attention_bias: bool  # a bias on q/k/v (Qwen2 has one whatever this says)
     rope_scaling: tuple[tuple[str, object], ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -36,10 +35,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
         model_type = cfg.get("model_type", "llama")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+        architecture = architecture_of(cfg)
         if cfg.get("sliding_window") and cfg.get("use_sliding_window", model_type == "mistral"):
             raise ValueError("sliding-window attention is not supported")
         heads = cfg["num_attention_heads"]
@@ -53,6 +49,7 @@ class ModelConfig:
         theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         return cls(
             model_type=model_type,
+            architecture=architecture,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -64,8 +61,7 @@ class ModelConfig:
             rope_theta=float(theta),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type == "qwen3",
+            attention_bias=bool(cfg.get("attention_bias", False)),
             rope_scaling=tuple(sorted(scaling.items())) if rope_type != "default" else (),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,

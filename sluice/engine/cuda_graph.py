@@ -19,7 +19,7 @@ import bisect
 import torch
 
 from sluice.engine.attention.backend import AttentionMetadata
-from sluice.engine.model.decoder import CausalLM
+from sluice.engine.models.causal_lm import CausalLM
 from sluice.engine.tensors import to_device
 
 CAPTURE_SIZES = (1, 2, 4, 8, *range(16, 513, 16))

@@ -15,8 +15,9 @@ import torch
 
 from sluice.engine.attention.backend import AttentionBackend
 from sluice.engine.config import ModelConfig
-from sluice.engine.model.decoder import CausalLM
-from sluice.engine.model.linear import Linear
+from sluice.engine.layers.linear import Linear
+from sluice.engine.models.causal_lm import CausalLM
+from sluice.engine.models.registry import model_class
 from sluice.engine.shapes import SHAPES
 
 _FUSED = {  # fused parameter -> its parts, in order
@@ -49,7 +50,7 @@ def load_model(model: str, load_format: str, backend: AttentionBackend, dtype: t
     hf_config = read_hf_config(model, load_format)
     cfg = ModelConfig.from_hf(hf_config)
     with torch.device(device):
-        lm = CausalLM(cfg, backend)
+        lm = model_class(cfg.architecture)(cfg, backend)
     # Parameters take the engine dtype; rotary frequencies stay float32.
     for p in lm.parameters():
         p.data = p.data.to(dtype)

@@ -21,7 +21,7 @@ import torch
 from sluice.engine.attention.backend import AttentionMetadata, kv_cache_shape
 from sluice.engine.config import CacheConfig, ModelConfig
 from sluice.engine.cuda_graph import DecodeGraphRunner
-from sluice.engine.model.decoder import CausalLM
+from sluice.engine.models.causal_lm import CausalLM
 from sluice.engine.prompt_logprobs import record_prompt_logprobs
 from sluice.engine.request import Request
 from sluice.engine.sampler import sample

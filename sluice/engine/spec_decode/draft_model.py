@@ -21,7 +21,7 @@ import torch
 
 from sluice.engine.attention.backend import kv_cache_shape
 from sluice.engine.loader import load_model
-from sluice.engine.model.decoder import CausalLM
+from sluice.engine.models.causal_lm import CausalLM
 from sluice.engine.request import Request
 from sluice.engine.spec_decode.config import SpeculativeConfig
 from sluice.engine.spec_decode.draft_loop import draft_tokens
@@ -33,7 +33,7 @@ class DraftModelProposer:
 
     def __init__(self, config: SpeculativeConfig, target: CausalLM, num_blocks: int,
                  block_size: int, dtype: torch.dtype, device: torch.device, seed: int):
-        backend = target.model.layers[0].self_attn.backend
+        backend = target.attn_backend
         self.model = load_model(config.model, config.load_format, backend, dtype, device, seed)
         dcfg, tcfg = self.model.config, target.config
         if dcfg.vocab_size != tcfg.vocab_size:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from sluice.engine.model.decoder import CausalLM
+from sluice.engine.models.causal_lm import CausalLM
 from sluice.engine.request import Request
 from sluice.engine.spec_decode.draft_loop import draft_tokens
 from sluice.engine.spec_decode.proposer import Proposal

@@ -1,11 +1,7 @@
-"""Building blocks of the decoder: RMSNorm, rotary embeddings (incl. llama3 scaling), SwiGLU.
-
-RMSNorm and rotary take the engine's CPU kernels (`sluice.engine.kernels`: one op each where
-eager PyTorch runs 8 and ~12; per call at one token 12.1 -> 4.7 us and 15.5 -> 3.4 us,
-docs/benchmarks.md) for bf16 on the CPU, in the layouts the kernels read; everything else
-(float32, the exactness reference the tests hold against transformers; GPUs; other
-layouts) runs the PyTorch ops (`forward_native`, `apply_native`). The kernels round where
-PyTorch rounds: rotary is bit-equal, RMSNorm too but for its sum of squares' order.
+"""Rotary position embeddings (rotate-half RoPE, with llama3 or linear frequency scaling).
+bf16 q and k on the CPU take the engine's kernel (`sluice.engine.kernels`: one op where
+eager PyTorch runs ~12; per call at one token 15.5 -> 3.4 us, docs/benchmarks.md),
+bit-equal to `apply_native`, which everything else runs.
 """
 
 from __future__ import annotations
@@ -13,37 +9,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sluice.engine import kernels
-from sluice.engine.model.linear import Linear
 
 BF16 = torch.bfloat16
-
-
-class RMSNorm(nn.Module):
-    """y = w * x / sqrt(mean(x^2) + eps), computed in float32 as transformers does. The
-    kernel takes bf16 rows [tokens, hidden] on the CPU whose elements are contiguous (the
-    hidden states); Qwen3's 3-D per-head norms and all else take `forward_native`."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = kernels.ops()  # (None: not installed)
-        if (ops is not None and x.dtype == BF16 and self.weight.dtype == BF16
-                and x.dim() == 2 and x.stride(1) == 1 and x.device.type == "cpu"):
-            return ops.rms_norm(x, self.weight, self.eps)
-        return self.forward_native(x)
-
-    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
@@ -105,16 +75,3 @@ def _heads_contiguous(x: torch.Tensor) -> bool:
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
-
-    def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate)
-        self.down_proj = Linear(intermediate, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)

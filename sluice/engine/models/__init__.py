@@ -1,0 +1,1 @@
+"""Model families, one file each, found by `registry.py`."""

@@ -1,0 +1,79 @@
+"""Llama (and Mistral, the same shape; sliding windows are refused by the config): pre-norm
+decoder layers of grouped-query attention with rotary embeddings and a SwiGLU MLP.
+`attention_bias` in the config puts a bias on q/k/v."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sluice.engine.attention.backend import AttentionBackend, AttentionMetadata
+from sluice.engine.config import ModelConfig
+from sluice.engine.layers.activation import SiluAndMul
+from sluice.engine.layers.attention import Attention
+from sluice.engine.layers.layernorm import RMSNorm
+from sluice.engine.layers.linear import Linear
+from sluice.engine.layers.rotary_embedding import RotaryEmbedding
+from sluice.engine.models.causal_lm import CausalLM
+
+
+class LlamaAttention(nn.Module):
+    qkv_bias: bool | None = None  # a family's fixed choice; None: the config's attention_bias
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = cfg.attention_bias if self.qkv_bias is None else self.qkv_bias
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
+
+    def forward(self, cos_sin, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = RotaryEmbedding.apply(cos_sin, *self.normalize_qk(q, k))
+        o = self.attn(q, k, v, kv_cache, meta)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k before rotary (Llama: as they are)."""
+        return q, k
+
+
+class LlamaMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
+        self.act_fn = SiluAndMul()
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = self.attention_cls(cfg, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, cos_sin, x, kv_cache, meta):
+        x = x + self.self_attn(cos_sin, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(CausalLM):
+    layer_cls = LlamaDecoderLayer
