@@ -1,4 +1,4 @@
-"""The model's linear layer (sluice/engine/model/linear.py): once loaded, a bf16 weight on
+"""The model's linear layer (sluice/engine/layers/linear.py): once loaded, a bf16 weight on
 the CPU runs oneDNN's packed kernel with the same outputs as torch's for every shape a step
 gives it; anything else keeps torch's kernel."""
 
