@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sluice.chat_template import template_messages
 from sluice.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from sluice.engine.server.priority import MAX_PRIORITY
 from sluice.engine.server.protocol_extras import (
     KVTransferParamsField,
     ResponseFormat,
@@ -76,7 +77,7 @@ class _SamplingFields(BaseModel):
     user: str | None = None
     cache_salt: str | None = None
     # vLLM's: lower is served first (--scheduling-policy priority; server/priority.py)
-    priority: int = Field(default=0, ge=-(2**31 - 1), le=2**31 - 1)
+    priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
     logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = (
         Field(default=None, max_length=MAX_LOGIT_BIAS_ENTRIES))
