@@ -76,7 +76,7 @@ def kernel_extensions() -> tuple[list, dict]:
         # rebuilt when any kernel file changes (and shipped in the sdist)
         depends=sorted(str(p) for p in CSRC.iterdir() if p.suffix in (".c", ".h")),
         define_macros=[("SLUICE_ISAS(X)", isas)],
-        extra_compile_args=["-O2"], extra_link_args=["-fopenmp"])
+        extra_compile_args=["-O2", "-fopenmp"], extra_link_args=["-fopenmp"])
     return [ext], {"build_ext": BuildKernels}
 
 

@@ -12,8 +12,17 @@ from sluice.engine.layers.rotary_embedding import RotaryEmbedding
 from sluice.engine.loader import load_model
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    """Torch threads: from 64 rows on, the kernels split their rows over them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("tokens", [1, 7, 300])
-def test_rms_norm_and_rotary_equal_pytorch(ops, tokens):
+def test_rms_norm_and_rotary_equal_pytorch(ops, tokens, threads):
     """Rotary bit for bit; RMSNorm too except where its sum of squares, added in another
     order, lands a rounding the other way: one bf16 step, rarely."""
     gen = torch.Generator().manual_seed(tokens)

@@ -123,6 +123,11 @@ void check_cpu(const at::Tensor &t, const char *name) {
     TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
 }
 
+// Rows (tokens) per task when an elementwise kernel is split over torch's threads: a row is
+// ~0.15 us (SmolLM2's 576 wide), a parallel region a few us, so a decode batch stays on one
+// thread and a prefill chunk spreads.
+constexpr int64_t kRowsPerTask = 64;
+
 // y = bf16(w * bf16(x / rms(x))) per row of bf16 x [rows, dim] (rows may be strided).
 at::Tensor rms_norm(const at::Tensor &x, const at::Tensor &weight, double eps) {
     check_cpu(x, "x");
@@ -131,8 +136,14 @@ at::Tensor rms_norm(const at::Tensor &x, const at::Tensor &weight, double eps) {
     TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x: [rows, dim], each row contiguous");
     TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight: [dim]");
     at::Tensor y = at::empty(x.sizes(), x.options());
-    current().rms_norm(in<uint16_t>(x), x.stride(0), in<uint16_t>(weight), out_of<uint16_t>(y),
-                       x.size(0), static_cast<int>(x.size(1)), static_cast<float>(eps));
+    const uint16_t *src = in<uint16_t>(x), *w = in<uint16_t>(weight);
+    uint16_t *dst = out_of<uint16_t>(y);
+    const int64_t stride = x.stride(0), dim = x.size(1);
+    const RmsNormFn fn = current().rms_norm;
+    at::parallel_for(0, x.size(0), kRowsPerTask, [&](int64_t begin, int64_t end) {
+        fn(src + begin * stride, stride, w, dst + begin * dim, end - begin,
+           static_cast<int>(dim), static_cast<float>(eps));
+    });
     return y;
 }
 
@@ -150,9 +161,15 @@ at::Tensor rotary(const at::Tensor &x, const at::Tensor &cos, const at::Tensor &
                         t->size(0) == tokens && t->size(-1) == head_dim,
                     "cos, sin: [tokens, (1,) head_dim], contiguous");
     at::Tensor y = at::empty(x.sizes(), x.options());
-    current().rotary(in<uint16_t>(x), x.stride(0), out_of<uint16_t>(y), in<uint16_t>(cos),
-                     in<uint16_t>(sin), tokens, static_cast<int>(x.size(1)),
-                     static_cast<int>(head_dim));
+    const uint16_t *src = in<uint16_t>(x), *c = in<uint16_t>(cos), *s = in<uint16_t>(sin);
+    uint16_t *dst = out_of<uint16_t>(y);
+    const int64_t stride = x.stride(0), heads = x.size(1);
+    const RotaryFn fn = current().rotary;
+    at::parallel_for(0, tokens, kRowsPerTask, [&](int64_t begin, int64_t end) {
+        fn(src + begin * stride, stride, dst + begin * heads * head_dim, c + begin * head_dim,
+           s + begin * head_dim, end - begin, static_cast<int>(heads),
+           static_cast<int>(head_dim));
+    });
     return y;
 }
 
