@@ -107,6 +107,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         assert self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold >= 0"
+        assert self.policy in ("fcfs", "priority"), f"unknown scheduling policy {self.policy!r}"
 
 
 @dataclass(frozen=True)
