@@ -151,8 +151,9 @@ def kv_space_gib(config: EngineConfig) -> int:
     return gib
 
 
-def engine_argv(args: argparse.Namespace) -> list[str]:
-    """The bench's `sluice engine` flags that differ from their defaults, as a command line."""
+def engine_argv(args: argparse.Namespace, without: tuple[str, ...] = ()) -> list[str]:
+    """The bench's `sluice engine` flags that differ from their defaults, as a command line;
+    `without`: flags (by dest) the caller sets itself."""
     from sluice.engine.cli import add_arguments as add_engine_arguments
 
     parser = argparse.ArgumentParser()
@@ -160,8 +161,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     argv: list[str] = []
     for action in parser._actions:
         value = getattr(args, action.dest, action.default)
-        if (not action.option_strings or action.dest in ("help", "host", "port", "log_level")
-                or value == action.default):
+        if (not action.option_strings or value == action.default
+                or action.dest in ("help", "host", "port", "log_level", *without)):
             continue
         argv += [action.option_strings[0]] if action.nargs == 0 else [
             action.option_strings[0], str(value)]
@@ -237,9 +238,7 @@ def _server(name: str, config: EngineConfig, args: argparse.Namespace, log_dir: 
     if url:
         return Server(name, url)
     if name == "sluice":
-        argv = engine_argv(args)
-        if "--num-threads" in argv:
-            del argv[argv.index("--num-threads"):argv.index("--num-threads") + 2]
+        argv = engine_argv(args, without=("num_threads",))
         return start_sluice([*argv, "--num-threads", str(setup.sluice_threads)], log_dir)
     python = vllm_python(args)
     return start_vllm(python, vllm_model_dir(config, args), log_dir, dtype=dtype_name(config),

@@ -7,6 +7,7 @@ arrival time.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from itertools import chain
 from typing import ClassVar, Protocol
@@ -87,15 +88,8 @@ class Priority:
     name = "priority"
 
     def add(self, waiting: deque[Request], req: Request) -> None:
-        # After every request of a key <= req's: equal keys keep their arrival order.
-        lo, hi, k = 0, len(waiting), _key(req)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if k < _key(waiting[mid]):
-                hi = mid
-            else:
-                lo = mid + 1
-        waiting.insert(lo, req)
+        # (after every request of a key <= req's: equal keys keep their arrival order)
+        bisect.insort_right(waiting, req, key=_key)
 
     requeue = add
 

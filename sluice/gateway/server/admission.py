@@ -34,14 +34,13 @@ from collections.abc import Mapping
 
 from sluice.gateway.core import RoutingCore
 from sluice.gateway.flow.controller import FlowController, Shed
-from sluice.gateway.flow.objectives import Objectives, fairness_id
+from sluice.gateway.flow.objectives import fairness_id
 from sluice.gateway.flow.saturation import ConcurrencyDetectorConfig, SaturationDetector
 
 
 class Admission:
-    def __init__(self, core: RoutingCore, objectives: Objectives) -> None:
+    def __init__(self, core: RoutingCore) -> None:
         self.core = core
-        self.objectives = objectives
         plan = core.plan
         cfg = plan.saturation_detector
         self.concurrency = cfg if isinstance(cfg, ConcurrencyDetectorConfig) else None
@@ -84,7 +83,7 @@ class Admission:
                     headers: Mapping[str, str], size: int, priority: int) -> Shed | bool:
         """A Shed: why the request is refused (see the module docstring); else whether it
         was queued (then the caller calls `placed(model)` once it started or failed).
-        `priority`: the request's (`self.objectives.priority`)."""
+        `priority`: the request's (`flow.objectives`)."""
         if self.flow is not None:
             dispatched = False
 

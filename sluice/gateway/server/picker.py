@@ -99,7 +99,7 @@ class EndpointPicker:
         self.core = core
         self.cfg = cfg
         self.limiter = RateLimiter(cfg.limits, core.redis.aio if core.redis else None)
-        self.admission = Admission(core, cfg.objectives)
+        self.admission = Admission(core)
 
     async def pick(self, kind: str, body: bytes, subset: frozenset[str] | None = None,
                    key_name: str | None = None,
@@ -131,7 +131,7 @@ class EndpointPicker:
             return Rejection(429, f"every engine of {model!r} has {self.cfg.shed_waiting} "
                                   "or more requests waiting", retry_after=1)
         headers = headers or {}
-        priority = self.admission.objectives.priority(model, key_name, headers)
+        priority = self.cfg.objectives.priority(model, key_name, headers)
         queued = await self.admission.admit(model, decode_pods or pods, key_name, headers,
                                             len(body), priority)
         if isinstance(queued, Shed):
