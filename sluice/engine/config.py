@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, field
 
 from sluice.engine.kv_transfer.config import KVTransferConfig
+from sluice.engine.lora.config import LoRAConfig
 from sluice.engine.models.registry import architecture_of
 from sluice.engine.spec_decode.config import SpeculativeConfig
 
@@ -124,6 +125,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None  # --speculative-config; None: off
     kv_transfer: KVTransferConfig | None = None  # disaggregated prefill/decode (kv_transfer/)
+    lora: LoRAConfig | None = None  # --enable-lora (lora/); None: base model only
 
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)

@@ -180,7 +180,8 @@ class KVCacheManager:
             block_hashes=[req.block_hashes[i] for i in run],
             parent_block_hash=req.block_hashes[first - 1] if first else None,
             token_ids=req.token_ids[first * bs:(run[-1] + 1) * bs],
-            block_size=bs, lora_id=None, medium="GPU", lora_name=None,
+            block_size=bs, lora_id=req.lora.lora_id if req.lora else None, medium="GPU",
+            lora_name=req.lora.name if req.lora else None,
         ))
 
     def check_invariants(self) -> None:

@@ -13,6 +13,8 @@ from sluice.engine.attention.torch_backend import TorchAttentionBackend
 from sluice.engine.config import EngineConfig
 from sluice.engine.kv_cache_manager import KVCacheManager
 from sluice.engine.loader import load_model
+from sluice.engine.lora.layers import LoRAContext
+from sluice.engine.lora.manager import LoRAManager
 from sluice.engine.metrics import EngineMetrics
 from sluice.engine.model_runner import ModelRunner, num_kv_blocks
 from sluice.engine.output_processor import OutputState
@@ -28,6 +30,10 @@ log = logging.getLogger("sluice.engine")
 
 class PromptTooLongError(ValueError):
     """The prompt leaves no room for output within the context / KV pool."""
+
+
+class UnknownModelError(ValueError):
+    """The request names a model (LoRA adapter) this engine does not serve."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -72,8 +78,10 @@ class LLMEngine:
             from sluice.engine.attention.triton_backend import TritonAttentionBackend
 
             backend = TritonAttentionBackend()
+        lora_ctx = None if config.lora is None else LoRAContext(
+            config.lora.max_loras, config.lora.max_lora_rank, self.device)
         self.model = load_model(config.model, config.load_format, backend,
-                                self.dtype, self.device, config.seed, weights)
+                                self.dtype, self.device, config.seed, weights, lora_ctx)
         mcfg = self.model.config
         cache = config.cache
         num_blocks = num_kv_blocks(mcfg, cache, self.dtype, self.device, self._step_peak())
@@ -83,7 +91,11 @@ class LLMEngine:
                                  record_kv_events)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.runner = ModelRunner(self.model, num_blocks, cache.block_size, self.device, self.dtype)
-        if use_triton and self.device.type == "cuda" and not config.enforce_eager:
+        self.lora = None if lora_ctx is None else LoRAManager(config.lora, self.model, self.dtype)
+        self.scheduler.lora = self.lora
+        # (decode graphs would hold one step's adapter mapping: LoRA runs eager)
+        if (use_triton and self.device.type == "cuda" and not config.enforce_eager
+                and self.lora is None):
             self.runner.enable_decode_graphs(config.scheduler.max_num_seqs, self.max_model_len,
                                              capture=True)
         self.tokenizer = tokenizer
@@ -92,7 +104,8 @@ class LLMEngine:
         self.structured_output = StructuredOutputManager(tokenizer, mcfg.vocab_size,
                                                          self.eos_token_ids)
         self.metrics = EngineMetrics(config.served_model_name, cache.block_size, num_blocks,
-                                     cache.enable_prefix_caching)
+                                     cache.enable_prefix_caching,
+                                     config.lora.max_loras if config.lora else 0)
         self.requests: dict[str, OutputState] = {}
         self.speculator = self._make_speculator()
         self.kv_connector = self._make_kv_connector()
@@ -166,10 +179,16 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None, arrival_time: float | None = None,
-                    priority: int = 0) -> None:
-        """Queue a request; raises ValueError (PromptTooLongError) for invalid input."""
+                    priority: int = 0, lora_name: str | None = None) -> None:
+        """Queue a request, with the LoRA adapter `lora_name` (None: the base model);
+        raises ValueError (PromptTooLongError, UnknownModelError) for invalid input."""
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
+        lora = None
+        if lora_name is not None:
+            lora = self.lora.registered.get(lora_name) if self.lora else None
+            if lora is None:
+                raise UnknownModelError(f"The model `{lora_name}` does not exist.")
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
@@ -181,7 +200,7 @@ class LLMEngine:
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, cache_salt,
-                      arrival_time, priority)
+                      arrival_time, priority, lora)
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         req.grammar = self.structured_output.grammar_for(params.structured_outputs)
@@ -209,13 +228,15 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        outputs = self._abort_failed_loras() if self.lora is not None else []
         sched = self.scheduler.schedule()
-        outputs: list[RequestOutput] = []
         if sched.scheduled:
+            # (the step's requests ordered by adapter slot: one segment each)
+            mapping = None if self.lora is None else self.lora.prepare(sched.scheduled)
             sampling = [r for r, n in sched.scheduled
                         if r.num_computed_tokens + n - len(r.spec_token_ids) == r.num_tokens]
             tables = [self.kv.block_table(r.request_id) for r, _ in sched.scheduled]
-            result = self.runner.execute(sched.scheduled, tables, sampling)
+            result = self.runner.execute(sched.scheduled, tables, sampling, mapping)
             self.scheduler.update_after_step(sched)
             now = time.time()
             for i, req in enumerate(sampling):
@@ -235,7 +256,15 @@ class LLMEngine:
         self.metrics.on_step(len(self.scheduler.running), len(self.scheduler.waiting),
                              self.kv.usage, len(sched.preempted), sched.num_prefix_queries,
                              sched.num_prefix_hits)
+        if self.lora is not None:
+            self.metrics.on_lora(self.scheduler.running, self.scheduler.waiting)
         return outputs
+
+    def _abort_failed_loras(self) -> list[RequestOutput]:
+        """Requests of an adapter whose files went since it was registered end as aborted."""
+        failed, self.lora.failed = self.lora.failed, set()
+        return [self.abort_request(rid) for rid, state in list(self.requests.items())
+                if state.req.lora is not None and state.req.lora.lora_id in failed]
 
     # -- offline convenience ----------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]

@@ -16,6 +16,7 @@ import torch
 from sluice.engine.attention.backend import AttentionBackend
 from sluice.engine.config import ModelConfig
 from sluice.engine.layers.linear import Linear
+from sluice.engine.lora.layers import LoRAContext
 from sluice.engine.models.causal_lm import CausalLM
 from sluice.engine.models.registry import model_class
 from sluice.engine.shapes import SHAPES
@@ -45,12 +46,14 @@ def read_hf_config(model: str, load_format: str) -> dict:
 
 def load_model(model: str, load_format: str, backend: AttentionBackend, dtype: torch.dtype,
                device: torch.device, seed: int = 0,
-               weights: Iterator[tuple[str, torch.Tensor]] | None = None) -> CausalLM:
-    """Build the model; `weights` (transformers names) overrides the checkpoint or dummy init."""
+               weights: Iterator[tuple[str, torch.Tensor]] | None = None,
+               lora: LoRAContext | None = None) -> CausalLM:
+    """Build the model (with LoRA layers given a context); `weights` (transformers names)
+    overrides the checkpoint or dummy init."""
     hf_config = read_hf_config(model, load_format)
     cfg = ModelConfig.from_hf(hf_config)
     with torch.device(device):
-        lm = model_class(cfg.architecture)(cfg, backend)
+        lm = model_class(cfg.architecture)(cfg, backend, lora=lora)
     # Parameters take the engine dtype; rotary frequencies stay float32.
     for p in lm.parameters():
         p.data = p.data.to(dtype)

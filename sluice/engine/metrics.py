@@ -16,7 +16,7 @@ _ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
 
 class EngineMetrics:
     def __init__(self, model_name: str, block_size: int, num_blocks: int,
-                 enable_prefix_caching: bool):
+                 enable_prefix_caching: bool, max_loras: int = 0):
         self.registry = CollectorRegistry()
         r, labels, m = self.registry, ["model_name"], model_name
 
@@ -37,9 +37,14 @@ class EngineMetrics:
               ["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching"],
               registry=r).labels(m, str(block_size), str(num_blocks),
                                  str(enable_prefix_caching)).set(1)
-        Gauge("vllm:lora_requests_info", "LoRA adapters in use",
-              ["model_name", "running_lora_adapters", "waiting_lora_adapters",
-               "max_lora"], registry=r).labels(m, "", "", "0").set(time.time())
+        # vLLM's info gauge: the adapters of running and of waiting requests (names,
+        # comma-separated) and --max-loras as labels, the time of the change as value.
+        # Only the current label set is exported (readers take the latest series).
+        self._lora_info = Gauge("vllm:lora_requests_info", "LoRA adapters in use",
+                                ["model_name", "running_lora_adapters",
+                                 "waiting_lora_adapters", "max_lora"], registry=r)
+        self._lora_labels = (m, "", "", str(max_loras))
+        self._lora_info.labels(*self._lora_labels).set(time.time())
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated")
         self.preemptions = counter("vllm:num_preemptions", "Preemptions")
@@ -75,6 +80,15 @@ class EngineMetrics:
         self.preemptions.inc(num_preempted)
         self.prefix_queries.inc(prefix_queries)
         self.prefix_hits.inc(prefix_hits)
+
+    def on_lora(self, running: list[Request], waiting) -> None:
+        def names(reqs) -> str:
+            return ",".join(sorted({r.lora.name for r in reqs if r.lora is not None}))
+        labels = (self._model_name, names(running), names(waiting), self._lora_labels[3])
+        if labels != self._lora_labels:
+            self._lora_info.remove(*self._lora_labels)
+            self._lora_labels = labels
+            self._lora_info.labels(*labels).set(time.time())
 
     def enable_spec_decode(self, num_speculative_tokens: int) -> None:
         """Export the per-position counters from start-up (at 0), one per draft position."""

@@ -16,11 +16,14 @@ overwrites those slots.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from sluice.engine.attention.backend import AttentionMetadata, kv_cache_shape
 from sluice.engine.config import CacheConfig, ModelConfig
 from sluice.engine.cuda_graph import DecodeGraphRunner
+from sluice.engine.lora.punica import LoRAMapping
 from sluice.engine.models.causal_lm import CausalLM
 from sluice.engine.prompt_logprobs import record_prompt_logprobs
 from sluice.engine.request import Request
@@ -68,8 +71,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]], block_tables: list[list[int]],
-                sampling: list[Request]) -> VerifyResult:
-        """Run one step; `block_tables[i]` belongs to scheduled[i]; sample for `sampling`.
+                sampling: list[Request], lora: LoRAMapping | None = None) -> VerifyResult:
+        """Run one step; `block_tables[i]` belongs to scheduled[i]; sample for `sampling`;
+        `lora`: the step's rows by adapter slot (lora/punica.py).
 
         Returns, per sampling request, the tokens it emits (one without drafts)."""
         input_ids: list[int] = []
@@ -99,8 +103,9 @@ class ModelRunner:
         if (graphs is not None and len(input_ids) == len(scheduled) <= graphs.max_batch):
             hidden = graphs.run(input_ids, positions, slots, seq_lens, block_tables)
         else:
-            hidden = self._forward(input_ids, positions, slots, query_start_loc, seq_lens,
-                                   block_tables)
+            with self.model.lora.use(lora) if lora is not None else nullcontext():
+                hidden = self._forward(input_ids, positions, slots, query_start_loc, seq_lens,
+                                       block_tables)
         record_prompt_logprobs(self.model, hidden, scheduled, query_start_loc)
         if not logit_rows:
             return VerifyResult([], [], [])

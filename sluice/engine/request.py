@@ -28,14 +28,17 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: frozenset[int] = frozenset(), cache_salt: str | None = None,
-                 arrival_time: float | None = None, priority: int = 0):
+                 arrival_time: float | None = None, priority: int = 0, lora=None):
         assert prompt_token_ids, "a request needs at least one prompt token"
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
         self.params = params
         self.eos_token_ids = eos_token_ids
-        self.extra_keys: tuple[str, ...] = (cache_salt,) if cache_salt else ()
+        self.lora = lora  # lora.manager.LoRARequest: the adapter it runs with (None: base)
+        # (prefixed: no salt a client chooses can equal an adapter's key)
+        self.extra_keys: tuple[str, ...] = (((f"salt:{cache_salt}",) if cache_salt else ())
+                                            + ((lora.cache_key,) if lora else ()))
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling (-1: not yet)
         self.block_hashes: list[int] = []

@@ -35,6 +35,7 @@ class _Step:
     admitting: bool = True  # False once memory forced a preemption or a request did not fit
     in_prefill: set[int] = field(default_factory=set)  # block hashes being computed
     taken: set[str] = field(default_factory=set)  # waiting requests admitted or loading
+    loras: set[int] = field(default_factory=set)  # adapters of running (and loading) requests
     served: set[str] = field(default_factory=set)
     first_prefill: Request | None = None
 
@@ -57,6 +58,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions_total = 0
         self.kv_connector = None  # disaggregated prefill/decode (kv_transfer/): set by the engine
+        self.lora = None  # multi-LoRA (lora/manager.py): set by the engine
+        self._remote_loads: set[Request] = set()  # waiting for their KV from another engine
 
     def add(self, req: Request) -> None:
         assert req.num_tokens < self.max_model_len, "caller validates prompt length"
@@ -86,6 +89,10 @@ class Scheduler:
         #    requests behind it: once that block is cached it is a hit, so computing it
         #    twice would only take budget from other requests (a burst of one prefix
         #    arriving while its first request's prefill is chunked).
+        # LoRA: a waiting request whose adapter would be one more than --max-loras among
+        # the running requests' ends admissions, as a full batch does (so it is next, never
+        # starved); one whose adapter is not in host memory yet stays waiting, without
+        # holding up the requests behind it, while the adapter is read in the background.
         # Speculative decoding: a decode with drafts (req.spec_token_ids) takes 1 + drafts
         # tokens of the budget; drafts that do not fit are dropped, and dropped before
         # anyone is preempted for their slots (`_num_draft_tokens`).
@@ -94,6 +101,8 @@ class Scheduler:
             self._admit_loaded()
         step = _Step(self.config.max_num_batched_tokens, len(self.running))
         step.in_prefill = self._blocks_in_prefill(self.running) if self.waiting else set()
+        if self.lora is not None:
+            step.loras = {r.lora.lora_id for r in (*self.running, *self._remote_loads) if r.lora}
         for req, was_running in self.policy.order(self.running, self.waiting):
             if step.budget <= 0 or not (step.admitting or step.running_left):
                 break
@@ -129,6 +138,8 @@ class Scheduler:
         if (step.in_prefill and len(hits) < (req.num_tokens - 1) // self.kv.block_size
                 and req.block_hashes[len(hits)] in step.in_prefill):
             return  # its prefix is being computed: wait for it
+        if req.lora is not None and not self._lora_admissible(req, step):
+            return
         while len(self.running) >= self.config.max_num_seqs:
             if not self._outranked(req, step, out):
                 step.admitting = False
@@ -140,6 +151,9 @@ class Scheduler:
                 return
             if loading:
                 step.taken.add(req.request_id)
+                self._remote_loads.add(req)
+                if req.lora is not None:
+                    step.loras.add(req.lora.lora_id)
                 return
         num_hit_tokens = len(hits) * self.kv.block_size
         num_new = self._chunk(req.num_tokens - num_hit_tokens, step.budget)
@@ -157,8 +171,16 @@ class Scheduler:
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.time()
         self.running.append(req)
+        if req.lora is not None:
+            step.loras.add(req.lora.lora_id)
         step.scheduled(req, num_new, True, out)
         step.in_prefill |= self._blocks_in_prefill([req])
+
+    def _lora_admissible(self, req: Request, step: _Step) -> bool:
+        if req.lora.lora_id not in step.loras and len(step.loras) >= self.lora.config.max_loras:
+            step.admitting = False
+            return False
+        return self.lora.ready(req.lora, step.loras)
 
     def _outranked(self, req: Request, step: _Step, out: SchedulerOutput) -> bool:
         """Preempt the policy's victim for waiting `req` if req outranks it."""
@@ -220,6 +242,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self._remote_loads.discard(req)
         if not self._connector_keeps_blocks(req):
             self.kv.free(req)
 
@@ -260,6 +283,7 @@ class Scheduler:
         room = self.config.max_num_seqs - len(self.running)
         idle = not (self.waiting or self.running)
         for req in self.kv_connector.get_finished_loading(room, idle):
+            self._remote_loads.discard(req)
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.time()

@@ -1,7 +1,8 @@
 """The decoder-only language model every family in `models/` is: token embeddings, a stack
 of the family's decoder layers, a final RMSNorm, and an LM head (tied to the embeddings
 where the config says so). Parameter names follow transformers', except that q/k/v and
-gate/up are fused (`qkv_proj`, `gate_up_proj`); the loader concatenates them.
+gate/up are fused (`qkv_proj`, `gate_up_proj`); the loader concatenates them. Built with a
+`LoRAContext`, the projections a PEFT adapter may target are LoRA layers (lora/layers.py).
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ from sluice.engine.config import ModelConfig
 from sluice.engine.layers.layernorm import RMSNorm
 from sluice.engine.layers.linear import Linear
 from sluice.engine.layers.rotary_embedding import RotaryEmbedding
+from sluice.engine.lora.layers import LoRAContext
 
 
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
-                 layer_cls: type[nn.Module]):
+                 layer_cls: type[nn.Module], lora: LoRAContext | None):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(layer_cls(cfg, backend)
+        self.layers = nn.ModuleList(layer_cls(cfg, backend, lora)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, dict(cfg.rope_scaling))
@@ -32,16 +34,18 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     """forward: flat tokens of one step -> final hidden states; compute_logits on chosen rows.
 
-    A family sets `layer_cls`, its decoder layer: `layer_cls(cfg, backend)`, called as
+    A family sets `layer_cls`, its decoder layer: `layer_cls(cfg, backend, lora)`, called as
     `layer(cos_sin, x, kv_cache, meta) -> x`."""
 
     layer_cls: ClassVar[type[nn.Module]]
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
+                 lora: LoRAContext | None = None):
         super().__init__()
         self.config = cfg
         self.attn_backend = backend
-        self.model = DecoderModel(cfg, backend, self.layer_cls)
+        self.lora = lora
+        self.model = DecoderModel(cfg, backend, self.layer_cls, lora)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -12,23 +12,25 @@ from sluice.engine.config import ModelConfig
 from sluice.engine.layers.activation import SiluAndMul
 from sluice.engine.layers.attention import Attention
 from sluice.engine.layers.layernorm import RMSNorm
-from sluice.engine.layers.linear import Linear
 from sluice.engine.layers.rotary_embedding import RotaryEmbedding
+from sluice.engine.lora.layers import LoRAContext, linear
 from sluice.engine.models.causal_lm import CausalLM
 
 
 class LlamaAttention(nn.Module):
     qkv_bias: bool | None = None  # a family's fixed choice; None: the config's attention_bias
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
+                 lora: LoRAContext | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = cfg.attention_bias if self.qkv_bias is None else self.qkv_bias
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size)
+        self.qkv_proj = linear(cfg.hidden_size, {"q_proj": self.q_size, "k_proj": self.kv_size,
+                                                 "v_proj": self.kv_size}, bias, lora)
+        self.o_proj = linear(self.q_size, {"o_proj": cfg.hidden_size}, False, lora)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
 
     def forward(self, cos_sin, x: torch.Tensor, kv_cache: torch.Tensor,
@@ -50,11 +52,12 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, lora: LoRAContext | None = None):
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
+        f = cfg.intermediate_size
+        self.gate_up_proj = linear(cfg.hidden_size, {"gate_proj": f, "up_proj": f}, False, lora)
         self.act_fn = SiluAndMul()
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.down_proj = linear(f, {"down_proj": cfg.hidden_size}, False, lora)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -63,12 +66,13 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
+                 lora: LoRAContext | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = self.attention_cls(cfg, backend)
+        self.self_attn = self.attention_cls(cfg, backend, lora)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, lora)
 
     def forward(self, cos_sin, x, kv_cache, meta):
         x = x + self.self_attn(cos_sin, self.input_layernorm(x), kv_cache, meta)

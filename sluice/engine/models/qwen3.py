@@ -8,12 +8,14 @@ import torch
 from sluice.engine.attention.backend import AttentionBackend
 from sluice.engine.config import ModelConfig
 from sluice.engine.layers.layernorm import RMSNorm
+from sluice.engine.lora.layers import LoRAContext
 from sluice.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
-        super().__init__(cfg, backend)
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
+                 lora: LoRAContext | None = None):
+        super().__init__(cfg, backend, lora)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 

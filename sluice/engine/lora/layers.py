@@ -1,0 +1,96 @@
+"""A linear layer that adds the running adapters' deltas to its output.
+
+A model built with LoRA on (`CausalLM(..., lora=LoRAContext)`) makes each target
+projection a `LoRALinear` naming its parts (a fused qkv_proj: q_proj, k_proj, v_proj), so
+the base weight and its kernel stay exactly `Linear`'s. The adapters' matrices live in
+buffers stacked by batch slot, created once the model's dtype is known
+(`create_lora_weights`) and written by the LoRA manager when an adapter takes a slot
+(`set_lora`). Which rows run which slot is the forward's `LoRAMapping`, shared by every
+layer through the context (vLLM's punica wrapper); outside `LoRAContext.use` there is
+none, and the layer is the base linear.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from sluice.engine.layers.linear import Linear
+from sluice.engine.lora.punica import LoRAMapping, lora_ops
+
+
+class LoRAContext:
+    """Shared by a model's LoRA layers: the delta's implementation, the slot layout, and
+    the mapping of the forward in progress."""
+
+    def __init__(self, max_loras: int, max_rank: int, device: torch.device):
+        self.max_loras, self.max_rank, self.device = max_loras, max_rank, device
+        self.ops = lora_ops(device)
+        self.per_token = device.type == "cuda"  # the BGMV kernels read a slot per row
+        self.mapping: LoRAMapping | None = None
+
+    @contextmanager
+    def use(self, mapping: LoRAMapping | None) -> Iterator[None]:
+        assert self.mapping is None, "LoRA mappings do not nest"
+        self.mapping = mapping
+        try:
+            yield
+        finally:
+            self.mapping = None
+
+
+class LoRALinear(Linear):
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool,
+                 ctx: LoRAContext):
+        super().__init__(in_features, sum(parts.values()), bias)
+        self.ctx = ctx
+        self.part_names = tuple(parts)
+        offsets = [0]
+        for size in parts.values():
+            offsets.append(offsets[-1] + size)
+        self.parts = tuple((offsets[i], size) for i, size in enumerate(parts.values()))
+        self.lora_a: torch.Tensor | None = None  # [slots, parts * rank, in]
+        self.lora_b: torch.Tensor | None = None  # [slots, out, rank]
+
+    def create_lora_weights(self, dtype: torch.dtype) -> None:
+        ctx, n = self.ctx, len(self.parts)
+        self.lora_a = torch.zeros(ctx.max_loras, n * ctx.max_rank, self.in_features,
+                                  dtype=dtype, device=ctx.device)
+        self.lora_b = torch.zeros(ctx.max_loras, self.out_features, ctx.max_rank,
+                                  dtype=dtype, device=ctx.device)
+
+    def set_lora(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Slot `slot` holds these parts' (A [r, in], B [size, r]); the others are zero."""
+        assert self.lora_a is not None and self.lora_b is not None, "create_lora_weights first"
+        rank = self.ctx.max_rank
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        for j, name in enumerate(self.part_names):
+            if name in weights:
+                a, b = weights[name]
+                r = a.shape[0]
+                off, size = self.parts[j]
+                self.lora_a[slot, j * rank:j * rank + r].copy_(a)
+                self.lora_b[slot, off:off + size, :r].copy_(b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        mapping = self.ctx.mapping
+        if mapping is None or not mapping.segments:
+            return y
+        rows = x.reshape(-1, self.in_features)
+        assert rows.shape[0] == mapping.num_tokens, "the mapping is another forward's"
+        self.ctx.ops.add_lora(y.view(-1, self.out_features), rows, self.lora_a, self.lora_b,
+                              self.parts, self.ctx.max_rank, mapping)
+        return y
+
+
+def linear(in_features: int, parts: dict[str, int], bias: bool = False,
+           lora: LoRAContext | None = None) -> Linear:
+    """The projection whose output is `parts` concatenated (transformers' module names):
+    a LoRALinear when the model serves adapters, else the plain Linear."""
+    if lora is None:
+        return Linear(in_features, sum(parts.values()), bias)
+    return LoRALinear(in_features, parts, bias, lora)
