@@ -51,13 +51,15 @@ class AsyncEngine:
                                engine.model.config.vocab_size,
                                cfg.scheduler.max_waiting_requests,
                                cfg.kv_transfer.kv_role if cfg.kv_transfer else None,
-                               engine.kv.block_size, cfg.scheduler.policy)
+                               engine.kv.block_size, cfg.scheduler.policy,
+                               cfg.lora.max_loras if cfg.lora else 0, engine.lora_modules())
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, cache_salt: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora_name: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; closing the iterator early aborts the request.
 
         Validation errors (ValueError) and overload (EngineOverloadedError) are
@@ -75,7 +77,7 @@ class AsyncEngine:
             self._streams[request_id] = (loop, out_q)
             self._num_pending += 1
         self._commands.put(("add", request_id, prompt_token_ids, params, cache_salt, priority,
-                            done))
+                            lora_name, done))
         self._wake.set()
         finished = False
         try:
@@ -117,6 +119,22 @@ class AsyncEngine:
         self._wake.set()
         return await done
 
+    async def load_lora_adapter(self, name: str, path: str) -> str | None:
+        """Register an adapter (read off the engine thread); why it cannot be, or None."""
+        done = asyncio.get_running_loop().create_future()
+        self._commands.put(("load", name, path, done))
+        self._wake.set()
+        return await done
+
+    async def unload_lora_adapter(self, name: str) -> bool:
+        done = asyncio.get_running_loop().create_future()
+        self._commands.put(("unload", name, done))
+        self._wake.set()
+        return await done
+
+    def lora_modules(self) -> dict[str, str]:
+        return self.engine.lora_modules()
+
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
         self._wake.set()
@@ -131,8 +149,11 @@ class AsyncEngine:
         try:
             while not self._stopped:
                 self._apply_commands()
+                for done, error in self.engine.finished_lora_loads():
+                    done.get_loop().call_soon_threadsafe(_set_result, done, error)
                 if not self.engine.has_unfinished():
-                    self._wake.wait(timeout=1.0)
+                    lora = self.engine.lora
+                    self._wake.wait(timeout=0.02 if lora and lora.pending() else 1.0)
                     self._wake.clear()
                     continue
                 for out in self.engine.step():
@@ -154,10 +175,11 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, prompt, params, salt, priority, done = cmd
+                _, rid, prompt, params, salt, priority, lora_name, done = cmd
                 loop = done.get_loop()
                 try:
-                    self.engine.add_request(rid, prompt, params, salt, priority=priority)
+                    self.engine.add_request(rid, prompt, params, salt, priority=priority,
+                                            lora_name=lora_name)
                 except ValueError as exc:
                     self._finish_pending()
                     loop.call_soon_threadsafe(_set_exception, done, exc)
@@ -169,6 +191,16 @@ class AsyncEngine:
                 if self.on_step is not None:
                     self.on_step()  # publish AllBlocksCleared now, not after the next step
                 done.get_loop().call_soon_threadsafe(_set_result, done, cleared)
+            elif cmd[0] == "load":
+                _, name, path, done = cmd
+                try:
+                    self.engine.start_lora_load(done, name, path)
+                except ValueError as exc:
+                    done.get_loop().call_soon_threadsafe(_set_result, done, str(exc))
+            elif cmd[0] == "unload":
+                lora, done = self.engine.lora, cmd[2]
+                removed = lora is not None and lora.remove(cmd[1])
+                done.get_loop().call_soon_threadsafe(_set_result, done, removed)
             else:
                 if self.engine.abort_request(cmd[1]) is not None:
                     self._finish_pending()

@@ -95,6 +95,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "'{\"method\": \"draft_model\", \"model\": PATH, ...}' or "
                         "'{\"method\": \"early_exit\", \"num_layers\": L, ...}' "
                         "(sluice/engine/spec_decode/config.py lists the keys)")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (PEFT folders) on the base model, several in "
+                        "one batch (vLLM's flags below)")
+    p.add_argument("--lora-modules", action="append", type=_lora_module, default=[],
+                   metavar="NAME=PATH", help="an adapter to serve from startup, repeatable; "
+                   "also vLLM's JSON form '{\"name\": ..., \"path\": ...}'")
+    p.add_argument("--max-loras", type=_positive_int, default=1,
+                   help="distinct adapters in one batch")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank")
+    p.add_argument("--max-cpu-loras", type=_positive_int, default=None,
+                   help="adapters kept loaded in memory, least recently used dropped "
+                        "(default: --max-loras); others are read again when requested")
     p.add_argument("--log-level", default="info")
 
 
@@ -103,6 +115,29 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _lora_module(text: str):
+    from sluice.engine.lora.config import LoRAModulePath
+
+    try:
+        return LoRAModulePath.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _lora_config(args: argparse.Namespace):
+    from sluice.engine.lora.config import LoRAConfig
+
+    if not args.enable_lora:
+        if args.lora_modules:
+            raise SystemExit("--lora-modules needs --enable-lora (vLLM's rule)")
+        return None
+    try:
+        return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras,
+                          tuple(args.lora_modules))
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def _kv_transfer_config(text: str):
@@ -150,6 +185,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                                   policy=args.scheduling_policy),
         kv_transfer=args.kv_transfer_config,
         speculative=getattr(args, "speculative_config", None),
+        lora=_lora_config(args),
     )
 
 

@@ -15,6 +15,7 @@ from sluice.engine.kv_cache_manager import KVCacheManager
 from sluice.engine.loader import load_model
 from sluice.engine.lora.layers import LoRAContext
 from sluice.engine.lora.manager import LoRAManager
+from sluice.engine.lora.peft_adapter import LoRAError
 from sluice.engine.metrics import EngineMetrics
 from sluice.engine.model_runner import ModelRunner, num_kv_blocks
 from sluice.engine.output_processor import OutputState
@@ -225,6 +226,24 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    # -- LoRA adapters at run time (vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter) --
+    def start_lora_load(self, tag: object, name: str, path: str) -> None:
+        """Read an adapter in the background; `finished_lora_loads` reports it. LoRAError
+        (a ValueError) at once for a name in use or LoRA off."""
+        if self.lora is None:
+            raise LoRAError("LoRA is not enabled: start the engine with --enable-lora")
+        self.lora.start_add(tag, name, path)
+
+    def finished_lora_loads(self) -> list[tuple[object, str | None]]:
+        """(tag, error or None) of loads that ended since the last call."""
+        if self.lora is None:
+            return []
+        return self.lora.finished_adds({r.lora.lora_id for r in self.scheduler.running if r.lora})
+
+    def lora_modules(self) -> dict[str, str]:
+        registered = self.lora.registered.values() if self.lora else ()
+        return {lora.name: lora.path for lora in registered}
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

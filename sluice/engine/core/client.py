@@ -32,12 +32,14 @@ from sluice.engine.core.messages import (
     Added,
     AddRequest,
     Dead,
+    LoadLoRA,
     Metrics,
     Outputs,
     Ready,
     Reply,
     ResetPrefixCache,
     Shutdown,
+    UnloadLoRA,
     encoder,
     event_decoder,
 )
@@ -78,6 +80,7 @@ class EngineCoreClient:
         self._stopping = False
         try:
             self.info = self._wait_ready()
+            self._loras = dict(self.info.loras)
         except BaseException:
             self.shutdown()
             raise
@@ -88,7 +91,8 @@ class EngineCoreClient:
     # -- the AsyncEngine interface ----------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, cache_salt: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora_name: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; closing the iterator early aborts the request.
         Validation errors (ValueError) and overload are raised before the first output."""
         if self.error is not None:
@@ -105,7 +109,7 @@ class EngineCoreClient:
             self._streams[request_id] = (loop, out_q, added)
             self._live.add(request_id)
         self._send(AddRequest(request_id, list(prompt_token_ids), params, cache_salt,
-                              time.time(), priority))
+                              time.time(), priority, lora_name))
         finished = False
         try:
             await added  # the core's validation error, if any
@@ -139,6 +143,26 @@ class EngineCoreClient:
         return max(0, self.info.max_waiting_requests - waiting)
 
     async def reset_prefix_cache(self) -> bool:
+        return (await self._call(ResetPrefixCache)).value
+
+    async def load_lora_adapter(self, name: str, path: str) -> str | None:
+        """Register an adapter; the reason it cannot be served, or None."""
+        reply = await self._call(lambda call_id: LoadLoRA(call_id, name, path))
+        if reply.value:
+            self._loras[name] = path
+        return reply.error
+
+    async def unload_lora_adapter(self, name: str) -> bool:
+        """Unregister an adapter (its running requests finish); False if unknown."""
+        self._loras.pop(name, None)
+        return (await self._call(lambda call_id: UnloadLoRA(call_id, name))).value
+
+    def lora_modules(self) -> dict[str, str]:
+        """The registered adapters, name -> path (as of this process's last load/unload)."""
+        return self._loras
+
+    async def _call(self, make: Callable[[int], object]) -> Reply:
+        """Send make(call_id) and wait for the core's Reply to it."""
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error!r}")
         loop = asyncio.get_running_loop()
@@ -146,7 +170,7 @@ class EngineCoreClient:
         call_id = next(self._call_ids)
         with self._lock:
             self._calls[call_id] = (loop, done)
-        self._send(ResetPrefixCache(call_id))
+        self._send(make(call_id))
         return await done
 
     def metrics_text(self) -> bytes:
@@ -211,7 +235,7 @@ class EngineCoreClient:
             elif isinstance(event, Reply):
                 with self._lock:
                     loop, fut = self._calls.pop(event.call_id)
-                loop.call_soon_threadsafe(_set_result, fut, event.value)
+                loop.call_soon_threadsafe(_set_result, fut, event)
             elif isinstance(event, Dead):
                 self._die(f"the engine core crashed: {event.reason}")
                 return
@@ -232,7 +256,7 @@ class EngineCoreClient:
             loop.call_soon_threadsafe(_put_all, items)
 
     def _added(self, event: Added) -> None:
-        from sluice.engine.llm_engine import PromptTooLongError
+        from sluice.engine.llm_engine import PromptTooLongError, UnknownModelError
 
         with self._lock:
             target = self._streams.get(event.request_id)
@@ -244,7 +268,9 @@ class EngineCoreClient:
         if event.error is None:
             loop.call_soon_threadsafe(_set_result, added, None)
         else:
-            error = (PromptTooLongError if event.prompt_too_long else ValueError)(event.error)
+            kind = (PromptTooLongError if event.prompt_too_long else
+                    UnknownModelError if event.unknown_model else ValueError)
+            error = kind(event.error)
             loop.call_soon_threadsafe(_set_exception, added, error)
 
     def _die(self, reason: str) -> None:

@@ -26,6 +26,8 @@ class EngineInfo(msgspec.Struct, frozen=True):
     kv_role: str | None = None  # --kv-transfer-config's kv_role (None: no KV transfer)
     block_size: int = 16
     scheduling_policy: str = "fcfs"
+    max_loras: int = 0  # --max-loras (0: LoRA off)
+    loras: dict[str, str] = msgspec.field(default_factory=dict)  # adapter name -> path
 
 
 # -- API process -> core ------------------------------------------------------------------
@@ -36,6 +38,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     cache_salt: str | None
     arrival_time: float
     priority: int = 0
+    lora_name: str | None = None
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):
@@ -46,11 +49,24 @@ class ResetPrefixCache(msgspec.Struct, tag="reset", array_like=True):
     call_id: int
 
 
+class LoadLoRA(msgspec.Struct, tag="load_lora", array_like=True):
+    """Register an adapter (read off the core's loop); the Reply carries the error, if any."""
+
+    call_id: int
+    name: str
+    path: str
+
+
+class UnloadLoRA(msgspec.Struct, tag="unload_lora", array_like=True):
+    call_id: int
+    name: str
+
+
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
-Command = AddRequest | Abort | ResetPrefixCache | Shutdown
+Command = AddRequest | Abort | ResetPrefixCache | LoadLoRA | UnloadLoRA | Shutdown
 
 
 # -- core -> API process ------------------------------------------------------------------
@@ -64,6 +80,7 @@ class Added(msgspec.Struct, tag="added", array_like=True):
     request_id: str
     error: str | None = None
     prompt_too_long: bool = False
+    unknown_model: bool = False
 
 
 class Outputs(msgspec.Struct, tag="outputs", array_like=True):
@@ -79,6 +96,7 @@ class Outputs(msgspec.Struct, tag="outputs", array_like=True):
 class Reply(msgspec.Struct, tag="reply", array_like=True):
     call_id: int
     value: bool
+    error: str | None = None
 
 
 class Metrics(msgspec.Struct, tag="metrics", array_like=True):

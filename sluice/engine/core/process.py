@@ -34,12 +34,14 @@ from sluice.engine.core.messages import (
     AddRequest,
     Dead,
     EngineInfo,
+    LoadLoRA,
     Metrics,
     Outputs,
     Ready,
     Reply,
     ResetPrefixCache,
     Shutdown,
+    UnloadLoRA,
     command_decoder,
     encoder,
 )
@@ -144,7 +146,8 @@ class EngineCore:
                                self.llm.model.config.vocab_size,
                                cfg.scheduler.max_waiting_requests,
                                cfg.kv_transfer.kv_role if cfg.kv_transfer else None,
-                               self.llm.kv.block_size, cfg.scheduler.policy)
+                               self.llm.kv.block_size, cfg.scheduler.policy,
+                               cfg.lora.max_loras if cfg.lora else 0, self.llm.lora_modules())
         self._changed = True
         self._last_metrics = 0.0
         self._counts = (0, 0)  # (running, waiting) as of the last metrics sent
@@ -160,6 +163,8 @@ class EngineCore:
                     self._apply(cmd, out)
             elif not busy and os.getppid() != parent:
                 return  # orphaned where PR_SET_PDEATHSIG is unavailable
+            for call_id, error in self.llm.finished_lora_loads():
+                out.send(encoder.encode(Reply(call_id, error is None, error)))
             if self.llm.has_unfinished():
                 outputs = self.llm.step()
                 self._changed = True
@@ -177,16 +182,18 @@ class EngineCore:
                 out.send(encoder.encode(Metrics(self._metrics())))
 
     def _apply(self, cmd, out: zmq.Socket) -> None:
-        from sluice.engine.llm_engine import PromptTooLongError
+        from sluice.engine.llm_engine import PromptTooLongError, UnknownModelError
 
         self._changed = True
         if isinstance(cmd, AddRequest):
             try:
                 self.llm.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
-                                     cmd.cache_salt, cmd.arrival_time, cmd.priority)
+                                     cmd.cache_salt, cmd.arrival_time, cmd.priority,
+                                     cmd.lora_name)
             except ValueError as exc:
                 out.send(encoder.encode(Added(cmd.request_id, str(exc),
-                                              isinstance(exc, PromptTooLongError))))
+                                              isinstance(exc, PromptTooLongError),
+                                              isinstance(exc, UnknownModelError))))
             else:
                 out.send(encoder.encode(Added(cmd.request_id)))
         elif isinstance(cmd, Abort):
@@ -197,6 +204,14 @@ class EngineCore:
             if self.publisher is not None:  # AllBlocksCleared now, not after the next step
                 self.publisher.publish(self.llm.kv.take_events())
             out.send(encoder.encode(Reply(cmd.call_id, cleared)))
+        elif isinstance(cmd, LoadLoRA):
+            try:
+                self.llm.start_lora_load(cmd.call_id, cmd.name, cmd.path)
+            except ValueError as exc:
+                out.send(encoder.encode(Reply(cmd.call_id, False, str(exc))))
+        elif isinstance(cmd, UnloadLoRA):
+            lora = self.llm.lora
+            out.send(encoder.encode(Reply(cmd.call_id, lora is not None and lora.remove(cmd.name))))
 
     def _release_kv_holds(self) -> bool:
         """Disaggregated prefill: free blocks held for a pull that came or timed out."""
@@ -212,6 +227,8 @@ class EngineCore:
         connector = self.llm.kv_connector
         if connector is not None and connector.holds_blocks():
             return KV_HOLD_POLL_MS  # a pull ends on another thread: free its blocks soon
+        if self.llm.lora is not None and self.llm.lora.pending():
+            return KV_HOLD_POLL_MS  # an adapter is being read on another thread
         if not self._changed:
             return 1000
         due = self._last_metrics + METRICS_INTERVAL_S - time.monotonic()
@@ -228,6 +245,8 @@ class EngineCore:
             self.llm.kv_connector.close()
         if self.publisher is not None:
             self.publisher.close()
+        if self.llm.lora is not None:
+            self.llm.lora.close()
 
 
 def _drain(sock: zmq.Socket):

@@ -25,6 +25,7 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from sluice.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
+from sluice.engine.llm_engine import UnknownModelError
 from sluice.engine.server import formatting as fmt
 from sluice.engine.server.auth import ApiKeyMiddleware
 from sluice.engine.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
@@ -32,6 +33,7 @@ from sluice.engine.server.chat_render import check_chat_flags, encode_chat_reque
 from sluice.engine.server.disagg import DisaggLegs
 from sluice.engine.server.errors import RequestError, error_response, install_error_handlers
 from sluice.engine.server.json_body import StrictJSONRoute
+from sluice.engine.server.lora_routes import adapter_cards, add_lora_routes
 from sluice.engine.server.priority import request_priority
 from sluice.engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from sluice.engine.server.request_params import derived_fields
@@ -87,7 +89,10 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str,
     async def models():
         return {"object": "list", "data": [{
             "id": model_name, "object": "model", "created": 0, "owned_by": "sluice",
-            "root": info.model, "max_model_len": max_model_len}]}
+            "root": info.model, "max_model_len": max_model_len},
+            *adapter_cards(engine, model_name, max_model_len)]}
+
+    add_lora_routes(app, engine, model_name)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
@@ -102,7 +107,7 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str,
                         media_type=CONTENT_TYPE_LATEST)
 
     def check_model(body) -> None:
-        if body.model not in (None, model_name):
+        if body.model not in (None, model_name, *engine.lora_modules()):
             raise RequestError(f"The model `{body.model}` does not exist.", "model", 404)
 
     def default_max_tokens(prompt_len: int) -> int:
@@ -137,7 +142,7 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str,
         echo = None
         if body.echo:
             echo = list(zip(_prompt_texts(body.prompt, prompts, tokenizer), prompts))
-        plan = ResponsePlan(f"cmpl-{uuid.uuid4().hex}", model_name, chat=False, n=body.n,
+        plan = ResponsePlan(f"cmpl-{uuid.uuid4().hex}", body.model or model_name, chat=False, n=body.n,
                             logprobs=body.logprobs is not None,
                             prompt_logprobs=body.prompt_logprobs is not None, echo=echo,
                             hide_output=echo_only, **_usage_flags(body))
@@ -162,7 +167,7 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str,
         ids = await chat_prompt(rendered, lambda: encode_chat_request(tokenizer, body), limits)
         derived = derived_fields(body, tokenizer, info.vocab_size, constraint,
                                  skip_special_tokens=tools.skip_special_tokens)
-        plan = ResponsePlan(f"chatcmpl-{uuid.uuid4().hex}", model_name, chat=True, n=body.n,
+        plan = ResponsePlan(f"chatcmpl-{uuid.uuid4().hex}", body.model or model_name, chat=True, n=body.n,
                             tools=tools, logprobs=body.logprobs,
                             prompt_logprobs=body.prompt_logprobs is not None,
                             **_usage_flags(body))
@@ -178,6 +183,7 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str,
     async def _serve(raw: Request, body, prompts: list[list[int]], plan: ResponsePlan,
                      n_logprobs: int | None, derived: dict[str, Any], prompt_param: str):
         priority = request_priority(raw.headers, body.priority, info.scheduling_policy)
+        lora = body.model if body.model not in (None, model_name) else None  # an adapter
         max_tokens, max_tokens_param = body.requested_max_tokens()
         for ids in prompts:
             check_context(len(ids), max_tokens, max_model_len, prompt_param, max_tokens_param)
@@ -199,12 +205,14 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str,
                 ids = prompts[i // body.n]
                 params = body.sampling_params(default_max_tokens(len(ids)), n_logprobs,
                                               i % body.n, sampling_defaults, **derived)
-                gen = engine.generate(f"{plan.rid}-{i}", ids, params, salt, priority)
+                gen = engine.generate(f"{plan.rid}-{i}", ids, params, salt, priority, lora)
                 streams.append(prime(gen))
                 await streams[-1].__anext__()  # surfaces validation / overload errors now
         except (ValueError, EngineOverloadedError, EngineDeadError) as exc:
             for s in streams:
                 await s.aclose()
+            if isinstance(exc, UnknownModelError):  # (unloaded since check_model)
+                return error_response(str(exc), 404, "model")
             if isinstance(exc, EngineOverloadedError):
                 return error_response(f"server is overloaded: {exc}", 429, retry_after=1)
             if isinstance(exc, EngineDeadError):

@@ -2,9 +2,10 @@
 
 With a key, every request but `GET /health` and `GET /metrics` (probes and
 scrapes) must carry `Authorization: Bearer <key>`, else 401 (OpenAI-shaped).
-The admin surface (`/reset_prefix_cache`, `/docs`, `/redoc`, `/openapi.json`)
-is served only to holders of the key: without a key configured it is not served
-at all (404), so an engine reachable by anyone exposes no more than vLLM's API.
+The admin surface (`/reset_prefix_cache`, the LoRA load/unload endpoints, `/docs`,
+`/redoc`, `/openapi.json`) is served only to holders of the key: without a key
+configured it is not served at all (404), so an engine reachable by anyone exposes
+no more than vLLM's API.
 Keys are compared by SHA-256 digest (`hmac.compare_digest`).
 """
 
@@ -20,7 +21,7 @@ from sluice.openai_error import error_json
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 ADMIN_PATHS = frozenset({"/reset_prefix_cache", "/docs", "/docs/oauth2-redirect", "/redoc",
-                         "/openapi.json"})
+                         "/openapi.json", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 
 class ApiKeyMiddleware:
