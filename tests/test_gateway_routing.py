@@ -318,3 +318,20 @@ def test_the_picker_raises_its_open_files_limit_to_the_hard_one():
             "raise_open_files_limit(); print(resource.getrlimit(resource.RLIMIT_NOFILE) == (h, h))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"
+
+
+def test_an_adapters_requests_go_where_it_runs_and_a_new_adapter_where_a_slot_is_free():
+    """kv_aware's lora-affinity-scorer, from each pod's `vllm:lora_requests_info`
+    (--max-loras 2 everywhere): `sql` runs on p2 (whose slots are full), p0 and p1 run two
+    other adapters each, p3 runs none."""
+    index = PrefixIndex(LocalIndex(), None)
+    table = LoadTable(ttl_ms=10_000)
+    now = time.time() * 1000
+    running = {"p0:1": {"a", "b"}, "p1:1": {"c", "d"}, "p2:1": {"sql", "e"}, "p3:1": set()}
+    for pod, loras in running.items():
+        table.put(pod, EngineMetrics(waiting=0, running=2, kv_usage=0.1,
+                                     running_loras=frozenset(loras), max_loras=2), now)
+    router = make_router("kv_aware", index, table, Pods())
+    for _ in range(8):  # (cold prompts: ties would be drawn at random)
+        assert asyncio.run(router.route("sql", PROMPT, PODS)).pod == "p2:1"
+        assert asyncio.run(router.route("new", PROMPT, PODS)).pod == "p3:1"
