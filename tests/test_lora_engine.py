@@ -10,10 +10,11 @@ import torch
 from hf_models import hf_greedy, load_hf, save_tiny_model
 from lora_adapters import make_adapter, peft_greedy
 
-from sluice.engine.config import CacheConfig, EngineConfig
+from sluice.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from sluice.engine.llm_engine import LLMEngine, UnknownModelError
 from sluice.engine.lora.config import LoRAConfig, LoRAModulePath
 from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.spec_decode.config import SpeculativeConfig
 
 PROMPTS = [[5, 17, 99, 3, 250, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
            [300, 2, 44], [7] * 9]
@@ -44,11 +45,12 @@ def family(request, tmp_path_factory):
     return base, folders, refs
 
 
-def engine(base, folders, **lora) -> LLMEngine:
+def engine(base, folders, num_blocks: int = 96, engine_kwargs=None, **lora) -> LLMEngine:
     modules = tuple(LoRAModulePath(name, str(path)) for name, path in folders.items())
     cfg = EngineConfig(model=str(base), served_model_name="base", dtype="float32", device="cpu",
-                       cache=CacheConfig(num_blocks=96, block_size=4),
-                       lora=LoRAConfig(**{"max_lora_rank": 8, **lora}, modules=modules))
+                       cache=CacheConfig(num_blocks=num_blocks, block_size=4),
+                       lora=LoRAConfig(**{"max_lora_rank": 8, **lora}, modules=modules),
+                       **(engine_kwargs or {}))
     return LLMEngine(cfg)
 
 
@@ -82,6 +84,25 @@ def test_a_batch_mixing_three_adapters_and_the_base_gives_each_its_own_output(fa
     got = run(llm, requests, check=lambda e: seen.append(len(e.scheduler.running)))
     assert max(seen) == len(requests), "all ran in one batch"
     assert got == [refs[name][p] for name, p in requests]
+
+
+@pytest.mark.parametrize("setup", [
+    {"scheduler": SchedulerConfig(max_num_batched_tokens=8)},  # chunked prefills
+    {"num_blocks": 14},  # preemptions: 3 requests of up to 29 tokens in 56 slots
+    {"speculative": SpeculativeConfig("ngram", 3, prompt_lookup_max=3)},
+    {"speculative": SpeculativeConfig("early_exit", 2, num_layers=1)},
+], ids=["chunked-prefill", "preemption", "ngram", "early-exit"])
+def test_adapters_keep_their_output_through_the_engines_other_paths(family, setup):
+    base, folders, refs = family
+    setup = dict(setup)
+    num_blocks = setup.pop("num_blocks", 96)
+    llm = engine(base, folders, num_blocks, setup, max_loras=3)
+    requests = [(name, p) for p in range(len(PROMPTS)) for name in [*ADAPTERS, None]]
+    assert run(llm, requests) == [refs[name][p] for name, p in requests]
+    if num_blocks < 96:
+        assert llm.scheduler.num_preemptions_total > 0
+    if "speculative" in setup:
+        assert llm.metrics.spec_accepted._value.get() > 0
 
 
 def test_at_most_max_loras_adapters_run_and_none_starves(family):

@@ -6,12 +6,14 @@ vLLM's names and flow (NixlConnector):
 - prefill engine -> client (the response's top-level `kv_transfer_params`):
   `{"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": ...,
   "remote_block_ids": [...], "remote_host": ..., "remote_port": ...,
-  "remote_request_id": ..., "tp_size": 1}`.
+  "remote_request_id": ..., "tp_size": 1, "lora_name": ...}`.
 - decode leg, client -> decode engine: the original request with those params. The
   decode engine pulls the blocks it does not hold and decodes.
 `remote_request_id` names the held blocks on the prefill engine (vLLM relies on both
 engines sharing the proxy's request id; an explicit id lets any proxy pass the params
-through unchanged). The struct crosses to the engine core inside SamplingParams.
+through unchanged). `lora_name` is the LoRA adapter the prefill ran with (None: the base
+model): the decode leg must name the same one, or its blocks would mix adapters. The
+struct crosses to the engine core inside SamplingParams.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class KVTransferParams:
     remote_port: int | None = None
     remote_request_id: str | None = None
     tp_size: int = 1
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()

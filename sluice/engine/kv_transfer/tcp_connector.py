@@ -178,7 +178,8 @@ class TcpConnector:
         params = KVTransferParams(do_remote_prefill=True, remote_engine_id=self.config.engine_id,
                                   remote_block_ids=tuple(block_ids[:needed]),
                                   remote_host=self.host,
-                                  remote_port=self.server.port, remote_request_id=rid)
+                                  remote_port=self.server.port, remote_request_id=rid,
+                                  lora_name=req.lora.name if req.lora else None)
         self._output_params[rid] = params.to_json()
         return True, self._output_params[rid]
 

@@ -46,7 +46,7 @@ class DisaggLegs:
     Prometheus registry for the prefill-leg failures (both touched on the loop only)."""
 
     def __init__(self, kv_role: str | None, block_size: int, model_name: str):
-        self.kv_role, self.block_size = kv_role, block_size
+        self.kv_role, self.block_size, self.model_name = kv_role, block_size, model_name
         self.registry = CollectorRegistry()
         self.failures = Counter("sluice:kv_transfer_prefill_leg_failures", "Prefill legs "
                                 f"({PREFILLER_HEADER}) that failed: the request prefilled "
@@ -111,6 +111,12 @@ class DisaggLegs:
             raise RequestError("a prefill leg (do_remote_decode) answers with stream: false",
                                "stream")
         if params.do_remote_prefill:
+            adapter = body.model if body.model not in (None, self.model_name) else None
+            if params.lora_name != adapter:
+                raise RequestError(
+                    f"kv_transfer_params.lora_name {params.lora_name!r}: the prefill ran with "
+                    f"another adapter than this request's ({adapter!r})",
+                    "kv_transfer_params.lora_name")
             if derived.get("prompt_logprobs", body.prompt_logprobs) is not None:
                 raise RequestError("prompt_logprobs need every prompt token's logits: not "
                                    "with do_remote_prefill", "prompt_logprobs")

@@ -32,6 +32,7 @@ class KVTransferParamsField(BaseModel):
     remote_port: int | None = Field(default=None, ge=1, le=65535)
     remote_request_id: str | None = Field(default=None, max_length=256)
     tp_size: int | None = Field(default=None, ge=1)
+    lora_name: str | None = Field(default=None, max_length=256)  # the prefill's adapter
 
 
 class StreamOptions(BaseModel):
