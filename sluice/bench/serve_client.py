@@ -44,7 +44,8 @@ class Result:
 
 async def send(client: httpx.AsyncClient, base_url: str, model: str, req: Request,
                messages: list[dict[str, Any]] | None = None) -> Result:
-    body: dict[str, Any] = {"model": model, "max_tokens": req.max_tokens, "stream": True,
+    body: dict[str, Any] = {"model": req.model or model, "max_tokens": req.max_tokens,
+                            "stream": True,
                             "stream_options": {"include_usage": True}, "ignore_eos": True,
                             "temperature": 0.0}
     if req.kind == "chat":
@@ -104,14 +105,16 @@ async def send(client: httpx.AsyncClient, base_url: str, model: str, req: Reques
 
 async def run(requests: list[Request], base_url: str, model: str, request_rate: float,
               max_concurrency: int | None, seed: int, progress: Any = None,
-              timeout_s: float = 600.0) -> tuple[list[Result], float]:
+              timeout_s: float = 600.0, headers: dict[str, str] | None = None
+              ) -> tuple[list[Result], float]:
     """Send every request (multi-turn: every turn); returns (results, duration in s)."""
     rng = random.Random(seed)
     limit = asyncio.Semaphore(max_concurrency or 1_000_000)
     results: list[Result] = []
     limits = httpx.Limits(max_connections=max_concurrency or 1000,
                           max_keepalive_connections=max_concurrency or 1000)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits,
+                                 headers=headers) as client:
 
         async def one(req: Request) -> None:
             if req.session < 0:

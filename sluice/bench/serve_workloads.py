@@ -33,6 +33,7 @@ class Request:
     session: int = -1
     turn: int = 0
     questions: list[str] = field(default_factory=list)  # multi-turn: one per turn
+    model: str | None = None  # its own `model` (a LoRA adapter); None: the run's
 
 
 class TextMaker:
