@@ -12,6 +12,7 @@ from lora_adapters import make_adapter, peft_greedy
 
 from sluice.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from sluice.engine.llm_engine import LLMEngine, UnknownModelError
+from sluice.engine.lora import punica
 from sluice.engine.lora.config import LoRAConfig, LoRAModulePath
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.spec_decode.config import SpeculativeConfig
@@ -76,8 +77,12 @@ def test_each_adapter_alone_equals_peft(family):
             assert run(llm, [(name, p)]) == [refs[name][p]], (name, p)
 
 
-def test_a_batch_mixing_three_adapters_and_the_base_gives_each_its_own_output(family):
+@pytest.mark.parametrize("path", ["dense", "sgmv"])
+def test_a_batch_mixing_three_adapters_and_the_base_gives_each_its_own_output(
+        family, path, monkeypatch):
     base, folders, refs = family
+    if path == "sgmv":  # (every step: the per-segment path long steps take)
+        monkeypatch.setattr(punica, "DENSE_MAX_ROWS", 0)
     llm = engine(base, folders, max_loras=3)
     requests = [(name, p) for p in range(len(PROMPTS)) for name in [*ADAPTERS, None]]
     seen = []
@@ -154,20 +159,30 @@ def test_unknown_adapter_is_refused():
         llm.add_request("r", [1, 2], SamplingParams(max_tokens=1), lora_name="nope")
 
 
-def test_punica_triton_kernels_equal_the_torch_path():
-    """The BGMV kernels (Triton; the interpreter here) add what the SGMV torch path adds."""
-    from sluice.engine.lora.punica import LoRAMapping, TorchLoRAOps
+@pytest.mark.parametrize("rows", [11, punica.DENSE_MAX_ROWS + 5], ids=["dense", "sgmv"])
+def test_the_lora_delta_equals_a_per_row_reference_on_every_path(rows):
+    """Torch's dense and SGMV paths and the Triton kernels (the interpreter here) add,
+    to each row, its own slot's B (A x), and nothing to base-model rows."""
     from sluice.engine.lora.triton_ops import TritonLoRAOps
 
     gen = torch.Generator().manual_seed(0)
-    slots, rank, parts = 3, 8, ((0, 24), (24, 8), (32, 8))
-    x = torch.randn(11, 40, generator=gen)
-    a = torch.randn(slots, 3 * rank, 40, generator=gen)
-    b = torch.randn(slots, 40, rank, generator=gen)
-    y = torch.randn(11, 40, generator=gen)
-    mapping = LoRAMapping.from_requests([(2, 3), (-1, 2), (0, 5), (1, 1)], x.device, True)
-    want, got = y.clone(), y.clone()
-    TorchLoRAOps().add_lora(want, x, a, b, parts, rank, mapping)
-    TritonLoRAOps().add_lora(got, x, a, b, parts, rank, mapping)
-    assert not torch.equal(want, y) and torch.equal(want[3:5], y[3:5])
+    slots, w = 3, 24
+    x = torch.randn(rows, 40, generator=gen)
+    a = torch.randn(slots, w, 40, generator=gen)
+    b = torch.randn(slots, w, 40, generator=gen)
+    y = torch.randn(rows, 40, generator=gen)
+    counts = [(2, 3), (-1, 2), (0, rows - 9), (1, 4)]
+    mapping = punica.LoRAMapping.from_requests(counts, x.device)
+    want = y.clone()
+    row_slots = [s for s, n in counts for _ in range(n)]
+    for t, s in enumerate(row_slots):
+        if s >= 0:
+            want[t] += b[s].T @ (a[s] @ x[t])
+    got = y.clone()
+    punica.TorchLoRAOps().add_lora(got, x, a, b, mapping)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got[3:5], y[3:5])
+    if rows < 50:  # (the interpreter is slow)
+        got = y.clone()
+        TritonLoRAOps().add_lora(got, x, a, b, mapping)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

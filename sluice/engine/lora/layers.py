@@ -28,7 +28,6 @@ class LoRAContext:
     def __init__(self, max_loras: int, max_rank: int, device: torch.device):
         self.max_loras, self.max_rank, self.device = max_loras, max_rank, device
         self.ops = lora_ops(device)
-        self.per_token = device.type == "cuda"  # the BGMV kernels read a slot per row
         self.mapping: LoRAMapping | None = None
 
     @contextmanager
@@ -52,13 +51,13 @@ class LoRALinear(Linear):
             offsets.append(offsets[-1] + size)
         self.parts = tuple((offsets[i], size) for i, size in enumerate(parts.values()))
         self.lora_a: torch.Tensor | None = None  # [slots, parts * rank, in]
-        self.lora_b: torch.Tensor | None = None  # [slots, out, rank]
+        self.lora_b: torch.Tensor | None = None  # [slots, parts * rank, out], block-diagonal
 
     def create_lora_weights(self, dtype: torch.dtype) -> None:
         ctx, n = self.ctx, len(self.parts)
         self.lora_a = torch.zeros(ctx.max_loras, n * ctx.max_rank, self.in_features,
                                   dtype=dtype, device=ctx.device)
-        self.lora_b = torch.zeros(ctx.max_loras, self.out_features, ctx.max_rank,
+        self.lora_b = torch.zeros(ctx.max_loras, n * ctx.max_rank, self.out_features,
                                   dtype=dtype, device=ctx.device)
 
     def set_lora(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -73,7 +72,7 @@ class LoRALinear(Linear):
                 r = a.shape[0]
                 off, size = self.parts[j]
                 self.lora_a[slot, j * rank:j * rank + r].copy_(a)
-                self.lora_b[slot, off:off + size, :r].copy_(b)
+                self.lora_b[slot, j * rank:j * rank + r, off:off + size].copy_(b.T)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
@@ -83,7 +82,7 @@ class LoRALinear(Linear):
         rows = x.reshape(-1, self.in_features)
         assert rows.shape[0] == mapping.num_tokens, "the mapping is another forward's"
         self.ctx.ops.add_lora(y.view(-1, self.out_features), rows, self.lora_a, self.lora_b,
-                              self.parts, self.ctx.max_rank, mapping)
+                              mapping)
         return y
 
 

@@ -179,8 +179,7 @@ class LoRAManager:
         def slot(req) -> int:
             return -1 if req.lora is None else slot_of[req.lora.lora_id]
         scheduled.sort(key=lambda pair: slot(pair[0]))
-        return LoRAMapping.from_requests([(slot(r), n) for r, n in scheduled], self.ctx.device,
-                                         self.ctx.per_token)
+        return LoRAMapping.from_requests([(slot(r), n) for r, n in scheduled], self.ctx.device)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,8 +1,8 @@
 """The LoRA delta as Triton kernels (CUDA; tested under TRITON_INTERPRET=1): BGMV, each
 row reads the matrices of its own slot (`LoRAMapping.token_slots`, -1: no adapter).
 
-shrink: h[t, n] = sum_k x[t, k] a[s_t, n, k]           (n < parts * rank)
-expand: y[t, off + n] += sum_r h[t, j * rank + r] b[s_t, off + n, r]   (per part j)
+shrink: h[t, k] = sum_i x[t, i] a[s_t, k, i]      (k < w = parts x rank)
+expand: y[t, n] += sum_k h[t, k] b[s_t, k, n]     (b block-diagonal: punica.py)
 Both accumulate in float32.
 """
 
@@ -34,19 +34,19 @@ def _shrink(x_ptr, a_ptr, h_ptr, slots_ptr, K, N,
 
 
 @triton.jit
-def _expand(h_ptr, b_ptr, y_ptr, slots_ptr, h_off, y_off, R, N,
-            sh, sb0, sb1, sy, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+def _expand(h_ptr, b_ptr, y_ptr, slots_ptr, W, N,
+            sh, sb0, sb1, sy, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     slot = tl.load(slots_ptr + t)
     live = slot >= 0
     s = tl.maximum(slot, 0)
-    r = tl.arange(0, BLOCK_R)
-    hv = tl.load(h_ptr + t * sh + h_off + r, mask=(r < R) & live, other=0.0)
-    bv = tl.load(b_ptr + s * sb0 + (y_off + n[:, None]) * sb1 + r[None, :],
-                 mask=(n[:, None] < N) & (r[None, :] < R) & live, other=0.0)
-    delta = tl.sum(bv.to(tl.float32) * hv[None, :], axis=1)
-    ptr = y_ptr + t * sy + y_off + n
+    k = tl.arange(0, BLOCK_W)
+    hv = tl.load(h_ptr + t * sh + k, mask=(k < W) & live, other=0.0)
+    bv = tl.load(b_ptr + s * sb0 + k[:, None] * sb1 + n[None, :],
+                 mask=(k[:, None] < W) & (n[None, :] < N) & live, other=0.0)
+    delta = tl.sum(bv.to(tl.float32) * hv[:, None], axis=0)
+    ptr = y_ptr + t * sy + n
     mask = (n < N) & live
     y = tl.load(ptr, mask=mask, other=0.0)
     tl.store(ptr, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
@@ -54,21 +54,16 @@ def _expand(h_ptr, b_ptr, y_ptr, slots_ptr, h_off, y_off, R, N,
 
 class TritonLoRAOps:
     def add_lora(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                 parts: tuple[tuple[int, int], ...], rank: int, mapping: LoRAMapping) -> None:
-        if not mapping.segments:
-            return
+                 mapping: LoRAMapping) -> None:
         slots = mapping.token_slots
-        assert slots is not None and slots.numel() == x.shape[0] == y.shape[0]
+        assert slots.numel() == x.shape[0] == y.shape[0]
         assert x.stride(1) == a.stride(2) == b.stride(2) == y.stride(1) == 1
         num_rows, k = x.shape
-        n = a.shape[1]
-        h = torch.empty(num_rows, n, dtype=torch.float32, device=x.device)
-        block_n = 32
-        _shrink[(num_rows, triton.cdiv(n, block_n))](
-            x, a, h, slots, k, n, x.stride(0), a.stride(0), a.stride(1), h.stride(0),
-            BLOCK_N=block_n, BLOCK_K=64)
-        block_r = triton.next_power_of_2(rank)
-        for j, (off, size) in enumerate(parts):
-            _expand[(num_rows, triton.cdiv(size, 64))](
-                h, b, y, slots, j * rank, off, rank, size, h.stride(0), b.stride(0),
-                b.stride(1), y.stride(0), BLOCK_N=64, BLOCK_R=block_r)
+        w, n = a.shape[1], y.shape[1]
+        h = torch.empty(num_rows, w, dtype=torch.float32, device=x.device)
+        _shrink[(num_rows, triton.cdiv(w, 32))](
+            x, a, h, slots, k, w, x.stride(0), a.stride(0), a.stride(1), h.stride(0),
+            BLOCK_N=32, BLOCK_K=64)
+        _expand[(num_rows, triton.cdiv(n, 64))](
+            h, b, y, slots, w, n, h.stride(0), b.stride(0), b.stride(1), y.stride(0),
+            BLOCK_N=64, BLOCK_W=triton.next_power_of_2(w))
