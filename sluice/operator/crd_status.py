@@ -9,7 +9,7 @@ carries the same pair per role.
 
 from __future__ import annotations
 
-from sluice.operator.crd_schema import Schema, obj, prop
+from sluice.operator.crd_types import Schema, obj, prop
 
 
 def status_schema() -> Schema:

@@ -11,14 +11,8 @@ import json
 import posixpath
 
 from sluice.labels import HTTP_PORT, KV_EVENTS_PORT, KV_REPLAY_PORT, KV_TRANSFER_PORT
-from sluice.operator.spec import (
-    DECODE,
-    PREFILL,
-    HuggingFaceSource,
-    ImageSource,
-    PoolSpec,
-    PvcSource,
-)
+from sluice.operator.sources import HuggingFaceSource, ImageSource, PvcSource
+from sluice.operator.spec import DECODE, PREFILL, PoolSpec
 
 MODEL_CACHE_DIR = "/model-cache"
 PVC_MOUNT_DIR = "/models"

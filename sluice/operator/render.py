@@ -18,7 +18,8 @@ from typing import Any
 
 from sluice import labels
 from sluice.operator import crd, engine_args
-from sluice.operator.spec import DECODE, PREFILL, HuggingFaceSource, PoolSpec, PvcSource, RoleSpec
+from sluice.operator.sources import HuggingFaceSource, PvcSource
+from sluice.operator.spec import DECODE, PREFILL, PoolSpec, RoleSpec
 
 Manifest = dict[str, Any]
 

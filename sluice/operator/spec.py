@@ -12,38 +12,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from sluice.operator.sources import ModelSource, SpecError, parse_source
+
 SERVE, PREFILL, DECODE = "serve", "prefill", "decode"
 
 
 # (also the CRD's rule; a pool stored before it gets this as its Degraded message)
 VLLM_ROLES = ("prefill/decode roles need engine kind sluice: a vllm pool would need llm-d's "
               "routing sidecar on its decode pods, which Sluice does not run")
-
-
-class SpecError(ValueError):
-    """The spec cannot be rendered; the message is shown in the Degraded condition."""
-
-
-@dataclass(frozen=True)
-class HuggingFaceSource:
-    repo: str
-    revision: str | None = None
-    token_secret: str | None = None
-    token_key: str = "token"
-
-
-@dataclass(frozen=True)
-class PvcSource:
-    claim_name: str
-    path: str = ""
-
-
-@dataclass(frozen=True)
-class ImageSource:
-    path: str
-
-
-ModelSource = HuggingFaceSource | PvcSource | ImageSource | None
 
 
 @dataclass(frozen=True)
@@ -160,7 +136,7 @@ class PoolSpec:
         if not model.get("name"):
             raise SpecError("spec.model.name is required")
         engine = _engine(spec.get("engine") or {})
-        source = _source(model.get("source"))
+        source = parse_source(model.get("source"))
         if source is None and engine.kind != "sluice":
             raise SpecError("engine kind vllm needs spec.model.source")
         roles_spec = spec.get("roles")
@@ -241,22 +217,6 @@ def _speculative(s: Mapping[str, Any] | None, kind: str) -> tuple[tuple[str, Any
     if method == "early_exit" and (kind != "sluice" or not s.get("numLayers")):
         raise SpecError("spec.engine.speculative early_exit needs kind sluice and numLayers")
     return tuple((_SPECULATIVE_KEYS[k], v) for k, v in s.items() if k in _SPECULATIVE_KEYS)
-
-
-def _source(s: Mapping[str, Any] | None) -> ModelSource:
-    if not s:
-        return None
-    kinds = [k for k in ("huggingFace", "pvc", "image") if k in s]
-    if len(kinds) != 1:
-        raise SpecError("model.source must set exactly one of huggingFace, pvc, image")
-    if "huggingFace" in s:
-        hf = s["huggingFace"]
-        ref = hf.get("tokenSecretRef") or {}
-        return HuggingFaceSource(hf["repo"], hf.get("revision") or None, ref.get("name"),
-                                 ref.get("key", "token"))
-    if "pvc" in s:
-        return PvcSource(s["pvc"]["claimName"], s["pvc"].get("path", ""))
-    return ImageSource(s["image"]["path"])
 
 
 def _resources(r: Mapping[str, Any] | None) -> Resources:
