@@ -11,6 +11,7 @@ so a spec that passed the API server always parses.
 
 from __future__ import annotations
 
+from sluice.operator import crd_lora
 from sluice.operator.crd_types import (
     Schema,
     cel,
@@ -142,6 +143,7 @@ def engine_schema() -> Schema:
                          items=prop("string", "One flag or value.")),
             "env": prop("array", "Extra environment variables.", items=env_var),
             "speculative": speculative_schema(),
+            "lora": crd_lora.lora_config_schema(),
         },
         defaulted=True,
         **rules(cel("self.kind == 'sluice' || !has(self.kvCacheMemory)",
@@ -242,6 +244,7 @@ def spec_schema() -> Schema:
                                        items=name_ref),
             "serviceAccountName": prop("string", "The pods' ServiceAccount (its token is "
                                          "not mounted: engines never call the API server)."),
+            "loras": crd_lora.loras_schema(),
         },
         required=["model"],
         **rules(
@@ -255,5 +258,6 @@ def spec_schema() -> Schema:
             cel("!has(self.roles) || !has(self.autoscaling) || !self.autoscaling.enabled",
                 "a prefill/decode pool autoscales per role (spec.roles.<role>.autoscaling), "
                 "not with spec.autoscaling"),
+            crd_lora.NAME_NOT_MODEL,
         ),
     )

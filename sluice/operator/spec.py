@@ -12,7 +12,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sluice.operator.sources import ModelSource, SpecError, parse_source
+from sluice.operator.sources import (
+    LoraAdapter,
+    LoraConfig,
+    ModelSource,
+    SpecError,
+    parse_lora_config,
+    parse_loras,
+    parse_source,
+)
 
 SERVE, PREFILL, DECODE = "serve", "prefill", "decode"
 
@@ -103,6 +111,7 @@ class EngineSpec:
     env: tuple[Mapping[str, Any], ...] = ()
     # --speculative-config as the engines take it (vLLM's JSON keys); None: no speculation
     speculative: tuple[tuple[str, Any], ...] | None = None
+    lora: LoraConfig | None = None  # spec.engine.lora as given (see PoolSpec.lora)
 
 
 @dataclass(frozen=True)
@@ -127,6 +136,13 @@ class PoolSpec:
     image_pull_secrets: tuple[str, ...] = ()
     service_account_name: str | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
+    loras: tuple[LoraAdapter, ...] = ()
+
+    @property
+    def lora(self) -> LoraConfig | None:
+        """The engines' LoRA limits: spec.engine.lora, else its defaults while adapters are
+        listed; None: engines without LoRA."""
+        return self.engine.lora or (LoraConfig() if self.loras else None)
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> PoolSpec:
@@ -168,6 +184,7 @@ class PoolSpec:
             image_pull_secrets=tuple(s["name"] for s in spec.get("imagePullSecrets") or ()),
             service_account_name=spec.get("serviceAccountName"),
             labels=dict(meta.get("labels") or {}),
+            loras=parse_loras(spec.get("loras"), model["name"]),
         )
 
     def role(self, name: str) -> RoleSpec:
@@ -197,6 +214,7 @@ def _engine(e: Mapping[str, Any]) -> EngineSpec:
         prefix_caching=bool(e.get("prefixCaching", True)),
         args=tuple(e.get("args") or ()), env=tuple(e.get("env") or ()),
         speculative=_speculative(e.get("speculative"), e.get("kind", "sluice")),
+        lora=parse_lora_config(e.get("lora")),
     )
 
 
