@@ -6,6 +6,7 @@ for any pod there."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
@@ -24,6 +25,7 @@ class LoraEngines:
         self.base, self.api_key = base, api_key
         self.adapters: dict[str, dict[str, str]] = {}  # host -> adapter -> path
         self.failing: set[str] = set()  # hosts whose loads answer 400
+        self.hanging: set[str] = set()  # hosts whose loads answer after 5 s
         self.calls: list[tuple[str, str, dict[str, Any]]] = []  # (host, endpoint, body)
         self.app = self._app()
 
@@ -56,6 +58,8 @@ class LoraEngines:
             host, body = request.headers["host"], await request.json()
             self.calls.append((host, "load", body))
             name = body["lora_name"]
+            if host in self.hanging:
+                await asyncio.sleep(5)
             if host in self.failing:
                 return _error(400, f"Loading lora {name} failed: No adapter found for "
                                    f"{body['lora_path']}")

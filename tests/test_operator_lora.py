@@ -66,10 +66,10 @@ PODS = [_pod("p0", "10.0.0.1"), _pod("p1", "10.0.0.2"), _pod("p2", "10.0.0.3", r
         _pod("p3", None)]
 
 
-def _sync(url: str, pool: PoolSpec, pods: list[dict], key: str | None = KEY):
+def _sync(url: str, pool: PoolSpec, pods: list[dict], key: str | None = KEY, **timeouts):
     async def go():
         async with httpx.AsyncClient(transport=LoopbackTransport(url)) as http:
-            return await LoraSyncer(http, key).sync(pool, pods)
+            return await LoraSyncer(http, key, **timeouts).sync(pool, pods)
     return asyncio.run(go())
 
 
@@ -128,6 +128,16 @@ def test_an_engine_that_cannot_be_read_counts_for_no_adapter(engines):
     closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     (problem,) = _sync(closed, _pool([_image("sql")]), PODS[:1]).problems
     assert problem[0] == "LoraListFailed" and "ConnectError" in problem[1]
+
+
+def test_an_engine_that_leaves_a_load_unanswered_is_asked_nothing_more_this_pass(engines):
+    engines.hanging.add("10.0.0.2:8000")
+    report = _sync(engines.url, _pool([_image("a"), _image("b"), _image("c")]), PODS,
+                   load_timeout_s=0.5)
+    assert [c[2]["lora_name"] for c in engines.calls if c[0] == "10.0.0.2:8000"] == ["a"]
+    assert report.status == [{"name": n, "readyReplicas": 1} for n in "abc"]
+    (problem,) = report.problems
+    assert problem == ("LoraLoadFailed", "pod p1: adapter a not loaded from /adapters/a: ReadTimeout")
 
 
 def test_a_pvc_adapter_loads_where_each_pod_mounts_its_claim(engines):

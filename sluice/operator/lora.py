@@ -19,8 +19,10 @@ Policy, one `LoraSyncer.sync` per reconcile pass, after the children are applied
   problem; the new pods get it.
 - A new engine starts with the base model only; its Ready event triggers the pass that
   loads the adapters, so it serves them one pass later (until then it is not counted).
-- Engines are handled concurrently; one engine's requests in turn. A load answered with
-  anything but 2xx, or not at all, is a `LoraLoadFailed` problem naming the adapter, the
+- Engines are handled concurrently; one engine's requests in turn, and none more this pass
+  once it leaves one unanswered (a timeout, a lost connection), rather than wait out the
+  timeout of each. A load answered with anything but 2xx, or not at all, is a
+  `LoraLoadFailed` problem naming the adapter, the
   pod and the engine's answer: the pool goes Degraded with a Warning Event, and the next
   pass (any trigger; the resync at the latest) tries again. Likewise `LoraUnloadFailed`;
   an engine whose `/v1/models` fails is `LoraListFailed`, and counts for no adapter.
@@ -177,36 +179,42 @@ class LoraSyncer:
             listed = listed_adapters(response.json()) if response.is_success else None
             error = None if response.is_success else _answer(response)
         except (httpx.HTTPError, OSError, ValueError) as e:  # (ValueError: not JSON)
-            listed, error = None, f"{type(e).__name__}: {e}"
+            listed, error = None, _unanswered(e)
         if listed is None:
             out.failures = {"": ("LoraListFailed", f"GET /v1/models failed: {error}")}
             return out
         desired = {a.name: adapter_path(a, pod) for a in pool.loras}
         unload, load = plan(desired, listed)
         out.serving = {n for n in listed if n in desired and n not in unload}
-        for name in unload:
-            error = await self._post(url, "unload_lora_adapter", {"lora_name": name}, ok=(404,))
-            if error is None:
-                out.unloaded.append(name)
+        steps = [("unload", n, {"lora_name": n}) for n in unload] + [
+            ("load", n, {"lora_name": n, "lora_path": desired[n]}) for n in load]
+        for verb, name, body in steps:
+            if name in out.failures:  # its unload failed: no load on top
+                continue
+            try:
+                response = await self.http.post(f"{url}/v1/{verb}_lora_adapter", json=body,
+                                                headers=self._headers,
+                                                timeout=self.load_timeout_s)
+            except (httpx.HTTPError, OSError) as e:
+                # An engine that stopped answering would time out on every request left:
+                # the next pass asks it again instead of this one waiting for each.
+                out.failures[name] = _failure(verb, body, _unanswered(e))
+                break
+            if response.is_success or (verb == "unload" and response.status_code == 404):
+                (out.loaded if verb == "load" else out.unloaded).append(name)
+                if verb == "load":
+                    out.serving.add(name)
             else:
-                out.failures[name] = ("LoraUnloadFailed", f"adapter {name} not unloaded: {error}")
-        for name in (n for n in load if n not in out.failures):
-            body = {"lora_name": name, "lora_path": desired[name]}
-            error = await self._post(url, "load_lora_adapter", body)
-            if error is None:
-                out.serving.add(name)
-                out.loaded.append(name)
-            else:
-                message = f"adapter {name} not loaded from {desired[name]}: {error}"
-                out.failures[name] = ("LoraLoadFailed", message)
+                out.failures[name] = _failure(verb, body, _answer(response))
         return out
 
-    async def _post(self, url: str, endpoint: str, body: dict[str, Any],
-                    ok: tuple[int, ...] = ()) -> str | None:
-        """None when the engine did it; else what went wrong, in words."""
-        try:
-            response = await self.http.post(f"{url}/v1/{endpoint}", json=body,
-                                            headers=self._headers, timeout=self.load_timeout_s)
-        except (httpx.HTTPError, OSError) as e:
-            return f"{type(e).__name__}: {e}"
-        return None if response.is_success or response.status_code in ok else _answer(response)
+
+def _unanswered(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__  # (a timeout: no text)
+
+
+def _failure(verb: str, body: dict[str, Any], error: str) -> tuple[str, str]:
+    name = body["lora_name"]
+    if verb == "unload":
+        return "LoraUnloadFailed", f"adapter {name} not unloaded: {error}"
+    return "LoraLoadFailed", f"adapter {name} not loaded from {body['lora_path']}: {error}"
