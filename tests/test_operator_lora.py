@@ -157,6 +157,12 @@ def test_pools_without_lora_are_not_asked(engines):
     assert engines.calls == []
 
 
+def test_an_ipv6_engine_is_reached_by_its_bracketed_address(engines):
+    report = _sync(engines.url, _pool([_image("sql")]), [_pod("p6", "fd00::6")])
+    assert engines.serving("[fd00::6]:8000") == {"sql": "/adapters/sql"}
+    assert report.status == [{"name": "sql", "readyReplicas": 1}]
+
+
 # The real operator: each pod the kubelet stand-in reports has its own IP; the operator's
 # requests to <ip>:8000 reach the loopback engines, which tell the pods apart by that.
 

@@ -171,7 +171,8 @@ class LoraSyncer:
         return report
 
     async def _engine(self, pool: PoolSpec, pod: dict[str, Any]) -> _Engine:
-        url = f"http://{pod['status']['podIP']}:{HTTP_PORT}"
+        ip = pod["status"]["podIP"]
+        url = f"http://{f'[{ip}]' if ':' in ip else ip}:{HTTP_PORT}"  # (an IPv6 pod too)
         out = _Engine()
         try:
             response = await self.http.get(f"{url}/v1/models", headers=self._headers,
