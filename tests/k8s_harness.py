@@ -69,10 +69,11 @@ def peering_settings() -> kopf.OperatorSettings:
 async def operator(plane: ControlPlane, *, kubeconfig: pathlib.Path | None = None,
                    sampler: Callable[..., Awaitable[Any]] = _no_load, purge: Any = None,
                    index: bool = True, settings: kopf.OperatorSettings | None = None,
-                   **config: Any) -> AsyncIterator[Any]:
+                   transport: Any = None, **config: Any) -> AsyncIterator[Any]:
     """Run the operator in its own thread and event loop until the block exits; yields its
     Runtime. `kubeconfig`: whom it logs in as (default: the admin). `index=False`: no
-    index to clean (no Redis URL, no purger), so no finalizer."""
+    index to clean (no Redis URL, no purger), so no finalizer. `transport`: how it reaches
+    the engines (an httpx transport)."""
     cfg = OperatorConfig(**{"standalone": True, "liveness_endpoint": None,
                             "resync_interval_s": 30.0, "autoscale_interval_s": 30.0, **config})
     stop, ready = threading.Event(), threading.Event()
@@ -84,7 +85,8 @@ async def operator(plane: ControlPlane, *, kubeconfig: pathlib.Path | None = Non
     async def operate() -> None:
         # The clients are made in this loop: their aiohttp sessions belong to it.
         configuration = await credentials.load(kubeconfig or plane.admin_kubeconfig)
-        rt = build_runtime(cfg, configuration, purge=purger, sampler=sampler)
+        rt = build_runtime(cfg, configuration, purge=purger, sampler=sampler,
+                           transport=transport)
         runtime.append(rt)
         # Stopping by cancellation (like SIGTERM) rather than kopf's stop flag: the flag
         # makes kopf wait 5 s for its sleeping timer tasks on every test.

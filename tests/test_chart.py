@@ -358,9 +358,12 @@ def test_gie_mode_puts_no_engine_key_in_any_answer(gie):
     assert not [a for a in op["args"] if a.startswith("--engine-api-key-secret")]
     picker = _by(gie, "Deployment", "-picker")["spec"]["template"]["spec"]["containers"][0]
     assert "SLUICE_ENGINE_API_KEY" not in {e["name"] for e in picker["env"]}
+    assert "SLUICE_ENGINE_API_KEY" not in {e["name"] for e in op["env"]}
 
 
-def test_engines_get_a_key_only_the_picker_holds(default):
+def test_engines_get_a_key_only_the_picker_and_the_operator_hold(default):
+    """The picker sends it with every request; the operator with the pools' LoRA adapter
+    loads, the engines' only endpoints it calls that need it."""
     import base64
 
     secret = _by(default, "Secret", "-engine-key")
@@ -368,6 +371,7 @@ def test_engines_get_a_key_only_the_picker_holds(default):
     op = _by(default, "Deployment", "-operator")["spec"]["template"]["spec"]["containers"][0]
     assert "--engine-api-key-secret=rel-sluice-engine-key:key" in op["args"]
     picker = _by(default, "Deployment", "-picker")["spec"]["template"]["spec"]["containers"][0]
-    env = {e["name"]: e for e in picker["env"]}
-    assert env["SLUICE_ENGINE_API_KEY"]["valueFrom"]["secretKeyRef"] == {
-        "name": "rel-sluice-engine-key", "key": "key"}
+    for container in (picker, op):
+        env = {e["name"]: e for e in container["env"]}
+        assert env["SLUICE_ENGINE_API_KEY"]["valueFrom"]["secretKeyRef"] == {
+            "name": "rel-sluice-engine-key", "key": "key"}

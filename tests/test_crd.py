@@ -79,6 +79,10 @@ def _with(path: str, value) -> dict:
 
 _DELETE = object()
 
+
+def _lora(name: str, path: str = "/adapters/sql") -> dict:
+    return {"name": name, "source": {"image": {"path": path}}}
+
 NEGATIVE = [
     ("spec.replicas", -1, "spec.replicas in body should be greater than or equal to 0"),
     ("spec.model", _DELETE, "spec.model: Required value"),
@@ -110,6 +114,21 @@ NEGATIVE = [
      "set maxUnavailable or minAvailable, not both"),
     ("spec.autoscaling", {"enabled": True}, "a prefill/decode pool autoscales per role"),
     ("spec.engine", {"kind": "vllm"}, "prefill/decode roles need engine kind sluice"),
+    # LoRA: the engines' limits, and the adapters (names are the list's map key)
+    ("spec.engine.lora", {"maxLoras": 4, "maxCpuLoras": 2},
+     "engine.lora.maxCpuLoras must be >= engine.lora.maxLoras"),
+    ("spec.engine.lora", {"maxLoraRank": 24}, "Unsupported value: 24"),
+    ("spec.engine.lora", {"maxLoras": 0}, "maxLoras in body should be greater than or equal to 1"),
+    ("spec.loras", [_lora("sql"), _lora("sql", "/other")],
+     'spec.loras[1]: Duplicate value: {"name":"sql"}'),
+    ("spec.loras", [_lora("smollm2-135m-instruct")],
+     "a LoRA adapter cannot take the model's served name"),
+    ("spec.loras", [_lora("sql lora")], "spec.loras[0].name in body should match"),
+    ("spec.loras", [_lora("sql-")], "spec.loras[0].name in body should match"),
+    ("spec.loras", [{"name": "sql", "source": {"image": {"path": "/a"}, "pvc": {"claimName": "c"}}}],
+     "a LoRA adapter's source must set exactly one of huggingFace, pvc, image"),
+    ("spec.loras", [{"name": "sql"}], "spec.loras[0].source: Required value"),
+    ("spec.loras", [_lora(f"a{i}") for i in range(65)], "must have at most 64 items"),
 ]
 
 # What each failing case above needs besides its own change, so that only its rule fails.

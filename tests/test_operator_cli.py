@@ -34,3 +34,13 @@ def test_operator_imports_no_torch_engine_or_gateway():
             "       or m.startswith(('sluice.engine', 'sluice.gateway'))]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_engine_key_comes_from_the_environment_and_is_never_printed(monkeypatch):
+    monkeypatch.setenv("SLUICE_ENGINE_API_KEY", "sk-engine-secret")
+    config = config_from_args(build_parser(["operator"]).parse_args(["operator"]))
+    assert config.engine_api_key == "sk-engine-secret"
+    assert "sk-engine-secret" not in repr(config)
+    monkeypatch.delenv("SLUICE_ENGINE_API_KEY")
+    assert config_from_args(build_parser(["operator"]).parse_args(["operator"])
+                            ).engine_api_key is None

@@ -30,6 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=os.environ.get("SLUICE_ENGINE_API_KEY_SECRET"),
                         help="the Secret (in each pool's namespace) whose KEY (default 'key') "
                              "engines take as their API key ($VLLM_API_KEY)")
+    parser.add_argument("--engine-api-key", default=os.environ.get("SLUICE_ENGINE_API_KEY"),
+                        help="the engines' key itself, sent with the LoRA adapter loads "
+                             "(Authorization: Bearer); also $SLUICE_ENGINE_API_KEY, as the "
+                             "picker's")
     parser.add_argument("--kv-events-curve-secret", metavar="SECRET",
                         default=os.environ.get("SLUICE_KV_EVENTS_CURVE_SECRET"),
                         help="the Secret (in each pool's namespace) with the sluice engines' "
@@ -95,6 +99,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         resync_interval_s=args.resync_interval,
         autoscale_interval_s=args.autoscale_interval, redis_url=args.redis_url,
         liveness_endpoint=args.liveness or None, gie=gie_from_args(args),
+        engine_api_key=args.engine_api_key or None,
     )
 
 

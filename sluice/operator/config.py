@@ -26,6 +26,8 @@ class OperatorConfig:
     redis_url: str | None = None  # the gateway's Redis; None: no index finalizer
     liveness_endpoint: str | None = None  # e.g. http://0.0.0.0:8080/healthz
     gie: GieConfig | None = None  # GIE mode (a GIE InferencePool per pool); None: off
+    # The engines' own key, sent with the LoRA load requests (lora.py); None: keyless engines
+    engine_api_key: str | None = field(default=None, repr=False)
 
     @property
     def clusterwide(self) -> bool:

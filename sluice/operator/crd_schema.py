@@ -1,5 +1,5 @@
 """OpenAPI v3 schema of the InferencePool spec (structural, with defaults); the status is
-in `crd_status.py`.
+in `crd_status.py`, the building blocks in `crd_types.py`.
 
 The schema is the first line of validation: types, ranges, enums, patterns and defaults
 live here; cross-field rules the type system cannot express are CEL rules
@@ -11,67 +11,22 @@ so a spec that passed the API server always parses.
 
 from __future__ import annotations
 
-from typing import Any
-
+from sluice.operator import crd_lora
+from sluice.operator.crd_types import (
+    Schema,
+    cel,
+    free_object,
+    int_or_percent,
+    obj,
+    prop,
+    quantity,
+    rules,
+)
 from sluice.operator.spec import VLLM_ROLES
-
-Schema = dict[str, Any]
 
 ENGINE_KINDS = ("sluice", "vllm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("ngram", "draft_model", "early_exit")
-
-# A Kubernetes resource.Quantity, not negative: digits with an optional fraction, then a
-# binary (Ki … Ei), decimal (n u m k M G T P E) or exponent (e3) suffix. What the API server
-# would otherwise refuse only later, on the Deployment, with the pool left half applied.
-QUANTITY_PATTERN = r"^\+?([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
-PERCENT_PATTERN = r"^[0-9]+%$"
-
-
-def obj(description: str, properties: Schema, required: list[str] | None = None,
-         defaulted: bool = False, **extra: Any) -> Schema:
-    """An object schema. `defaulted`: an absent object defaults to its fields' defaults.
-
-    That default is spelled out rather than `{}`: the API server checks a default against
-    the object's CEL rules before the nested defaults fill it, so `{}` fails every rule
-    that reads a defaulted field ("no such key")."""
-    schema: Schema = {"type": "object", "description": description, "properties": properties,
-                      **extra}
-    if required:
-        schema["required"] = required
-    if defaulted:
-        schema["default"] = {k: v["default"] for k, v in properties.items() if "default" in v}
-    return schema
-
-
-def prop(type_: str, description: str, **extra: Any) -> Schema:
-    return {"type": type_, "description": description, **extra}
-
-
-def _free_object(description: str) -> Schema:
-    """A Kubernetes type we pass through to the pod as is (validated by the API server there)."""
-    return {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
-            "description": description}
-
-
-def cel(rule: str, message: str) -> Schema:
-    """A CEL rule and the message `kubectl apply` shows when it fails."""
-    return {"rule": rule, "message": message}
-
-
-def _rules(*rules: Schema) -> Schema:
-    return {"x-kubernetes-validations": list(rules)}
-
-
-def quantity(description: str, **extra: Any) -> Schema:
-    return {"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}],
-            "pattern": QUANTITY_PATTERN, "minimum": 0, "description": description, **extra}
-
-
-def int_or_percent(description: str, **extra: Any) -> Schema:
-    return {"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}],
-            "pattern": PERCENT_PATTERN, "minimum": 0, "description": description, **extra}
-
 
 def _quantity_map(what: str) -> Schema:
     return {"type": "object", "description": f"{what} per resource name (cpu, memory, "
@@ -107,7 +62,7 @@ def autoscaling_schema() -> Schema:
                 minimum=0, maximum=3600, default=300),
         },
         defaulted=True,
-        **_rules(cel("self.minReplicas <= self.maxReplicas",
+        **rules(cel("self.minReplicas <= self.maxReplicas",
                      "autoscaling.minReplicas must be <= autoscaling.maxReplicas")),
     )
 
@@ -144,7 +99,7 @@ def model_schema() -> Schema:
                 "path": prop("string", "The model's path inside the image.", minLength=1)},
                 required=["path"]),
         },
-        **_rules(cel("[has(self.huggingFace), has(self.pvc), has(self.image)]"
+        **rules(cel("[has(self.huggingFace), has(self.pvc), has(self.image)]"
                      ".filter(x, x).size() == 1",
                      "model.source must set exactly one of huggingFace, pvc, image")),
     )
@@ -159,7 +114,7 @@ def engine_schema() -> Schema:
     env_var = obj("An environment variable of the engine container.", {
         "name": prop("string", "Variable name.", minLength=1),
         "value": prop("string", "Literal value (not for tokens: use valueFrom)."),
-        "valueFrom": _free_object("EnvVarSource: from a Secret, ConfigMap or field.")},
+        "valueFrom": free_object("EnvVarSource: from a Secret, ConfigMap or field.")},
         required=["name"])
     return obj(
         "The inference engine of every replica.",
@@ -188,9 +143,10 @@ def engine_schema() -> Schema:
                          items=prop("string", "One flag or value.")),
             "env": prop("array", "Extra environment variables.", items=env_var),
             "speculative": speculative_schema(),
+            "lora": crd_lora.lora_config_schema(),
         },
         defaulted=True,
-        **_rules(cel("self.kind == 'sluice' || !has(self.kvCacheMemory)",
+        **rules(cel("self.kind == 'sluice' || !has(self.kvCacheMemory)",
                      "engine.kvCacheMemory is only for kind sluice"),
                  cel("self.kind == 'sluice' || !has(self.speculative) || "
                      "self.speculative.method != 'early_exit'",
@@ -218,7 +174,7 @@ def speculative_schema() -> Schema:
                               "draft.", minimum=1),
         },
         required=["method", "numSpeculativeTokens"],
-        **_rules(cel("self.method != 'draft_model' || has(self.model)",
+        **rules(cel("self.method != 'draft_model' || has(self.model)",
                      "speculative.model is required for draft_model"),
                  cel("self.method != 'early_exit' || has(self.numLayers)",
                      "speculative.numLayers is required for early_exit")),
@@ -235,7 +191,7 @@ def rollout_schema() -> Schema:
          "maxUnavailable": int_or_percent("Engines stopped below the desired count (a "
                                           "number or a percentage).", default=0)},
         defaulted=True,
-        **_rules(cel("!(string(self.maxSurge) in ['0', '0%'] && "
+        **rules(cel("!(string(self.maxSurge) in ['0', '0%'] && "
                      "string(self.maxUnavailable) in ['0', '0%'])",
                      "rollout.maxSurge and rollout.maxUnavailable cannot both be 0")))
 
@@ -250,7 +206,7 @@ def disruption_schema() -> Schema:
          "minAvailable": int_or_percent("Engines that must stay (instead of "
                                         "maxUnavailable).")},
         defaulted=True,
-        **_rules(cel("!(has(self.maxUnavailable) && has(self.minAvailable))",
+        **rules(cel("!(has(self.maxUnavailable) && has(self.minAvailable))",
                      "podDisruptionBudget: set maxUnavailable or minAvailable, not both")))
 
 
@@ -281,16 +237,17 @@ def spec_schema() -> Schema:
             "nodeSelector": {"type": "object", "description": "The pods' nodeSelector.",
                              "additionalProperties": prop("string", "A node label's value.")},
             "tolerations": prop("array", "The pods' tolerations.",
-                                  items=_free_object("Toleration")),
-            "affinity": _free_object("The pods' affinity."),
+                                  items=free_object("Toleration")),
+            "affinity": free_object("The pods' affinity."),
             "priorityClassName": prop("string", "The pods' priorityClassName."),
             "imagePullSecrets": prop("array", "Secrets for pulling the engine image.",
                                        items=name_ref),
             "serviceAccountName": prop("string", "The pods' ServiceAccount (its token is "
                                          "not mounted: engines never call the API server)."),
+            "loras": crd_lora.loras_schema(),
         },
         required=["model"],
-        **_rules(
+        **rules(
             cel("has(self.replicas) != has(self.roles)",
                 "set exactly one of spec.replicas (plain pool) or spec.roles "
                 "(prefill/decode pool)"),
@@ -301,5 +258,6 @@ def spec_schema() -> Schema:
             cel("!has(self.roles) || !has(self.autoscaling) || !self.autoscaling.enabled",
                 "a prefill/decode pool autoscales per role (spec.roles.<role>.autoscaling), "
                 "not with spec.autoscaling"),
+            crd_lora.NAME_NOT_MODEL,
         ),
     )

@@ -9,7 +9,7 @@ carries the same pair per role.
 
 from __future__ import annotations
 
-from sluice.operator.crd_schema import Schema, obj, prop
+from sluice.operator.crd_types import Schema, obj, prop
 
 
 def status_schema() -> Schema:
@@ -37,6 +37,10 @@ def status_schema() -> Schema:
         "kvEvents": prop("string", "The engine's KV-event socket (ZMQ)."),
         "ready": prop("boolean", "Whether the pod is Ready."),
     })
+    adapter = obj("A LoRA adapter of spec.loras.", {
+        "name": prop("string", "The adapter's name."),
+        "readyReplicas": prop("integer", "Ready engines that list it in /v1/models."),
+    })
     return obj("Observed state, written by the operator.", {
         "observedGeneration": prop("integer", "The spec generation last reconciled."),
         "replicas": prop("integer", "Engines that `selector` selects: the serve engines "
@@ -56,4 +60,6 @@ def status_schema() -> Schema:
                              "the prefill engines in a prefill/decode pool)."),
         "lastScaleTime": prop("string", "When the autoscaler last changed replicas.",
                                 format="date-time"),
+        "loras": prop("array", "Per adapter of spec.loras, the engines serving it.",
+                      items=adapter),
     })

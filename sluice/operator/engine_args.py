@@ -11,14 +11,8 @@ import json
 import posixpath
 
 from sluice.labels import HTTP_PORT, KV_EVENTS_PORT, KV_REPLAY_PORT, KV_TRANSFER_PORT
-from sluice.operator.spec import (
-    DECODE,
-    PREFILL,
-    HuggingFaceSource,
-    ImageSource,
-    PoolSpec,
-    PvcSource,
-)
+from sluice.operator.sources import HuggingFaceSource, ImageSource, PvcSource
+from sluice.operator.spec import DECODE, PREFILL, PoolSpec
 
 MODEL_CACHE_DIR = "/model-cache"
 PVC_MOUNT_DIR = "/models"
@@ -126,7 +120,21 @@ def engine_command(pool: PoolSpec, role: str = "",
     transfer = kv_transfer_config(pool, role, transfer_curve_dir)
     if transfer is not None:
         args += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
-    return command, args
+    return command, args + lora_args(pool)
+
+
+def lora_args(pool: PoolSpec) -> list[str]:
+    """LoRA's flags, the same for both kinds. The adapters themselves are never flags
+    (`--lora-modules`): the operator loads them into running engines (`lora.py`), so a
+    changed list restarts none."""
+    lora = pool.lora
+    if lora is None:
+        return []
+    args = ["--enable-lora", "--max-loras", str(lora.max_loras),
+            "--max-lora-rank", str(lora.max_lora_rank)]
+    if lora.max_cpu_loras is not None:
+        args += ["--max-cpu-loras", str(lora.max_cpu_loras)]
+    return args
 
 
 def fetch_model_script() -> str:

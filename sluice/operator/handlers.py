@@ -20,6 +20,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import kopf
 from kubernetes_asyncio import client as k8s
 
@@ -51,6 +52,7 @@ class Runtime:
     retrier: Retrier
     ticker: Ticker
     stats: dict[str, float] = field(default_factory=dict)  # counters for benchmarks
+    http: httpx.AsyncClient | None = None  # to the engines (closed with the operator)
 
 
 def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:

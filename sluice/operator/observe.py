@@ -14,7 +14,8 @@ from typing import Any
 from sluice import labels
 from sluice.operator import kube
 from sluice.operator.render import child_name
-from sluice.operator.spec import PoolSpec, PvcSource
+from sluice.operator.sources import PvcSource
+from sluice.operator.spec import PoolSpec
 
 Problem = tuple[str, str]  # (reason, message) for the Degraded condition
 

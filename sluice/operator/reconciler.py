@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sluice.operator import apply, kube, render_epp, render_gie
+from sluice.operator.lora import LoraSyncer
 from sluice.operator.observe import observe
 from sluice.operator.render import RenderConfig, render_pool
 from sluice.operator.render_gie import GieConfig
@@ -44,9 +45,10 @@ class _Slot:
 class Reconciler:
     def __init__(self, client: kube.KubeClient, config: RenderConfig, events: EventSink,
                  clock: Callable[[], str] = utcnow, max_concurrent: int = 16,
-                 gie: GieConfig | None = None):
+                 gie: GieConfig | None = None, loras: LoraSyncer | None = None):
         self.client, self.config, self.events, self.clock = client, config, events, clock
         self.gie = gie  # GIE mode: also a GIE InferencePool per pool (render_gie)
+        self.loras = loras  # loads spec.loras into the ready engines (lora.py); None: never
         # Bounded concurrency: passes beyond this wait (and coalesce) instead of piling
         # requests onto the API server and the connection pool.
         self.max_concurrent = max_concurrent
@@ -151,8 +153,15 @@ class Reconciler:
         for name in report.deleted:
             self.events(body, "Normal", "Deleted", f"deleted {name} (no longer desired)")
         observed = await observe(self.client, pool, report.live)
-        problems = report.problems + observed.problems
-        status = compute_status(pool, observed, problems, previous, self.clock())
+        loras = await self.loras.sync(pool, observed.pods) if self.loras else None
+        problems = report.problems + observed.problems + (loras.problems if loras else [])
+        if loras is not None:
+            for verb, counts in (("loaded", loras.loaded), ("unloaded", loras.unloaded)):
+                for name, n in sorted(counts.items()):
+                    self.events(body, "Normal", f"Lora{verb.capitalize()}",
+                                f"{verb} adapter {name} on {n} engine{'s' * (n != 1)}")
+        status = compute_status(pool, observed, problems, previous, self.clock(),
+                                loras.status if loras is not None else None)
         if not same_status(previous, status):
             old = {c["type"]: c for c in previous.get("conditions") or ()}
             new = status["conditions"][2]
@@ -160,6 +169,8 @@ class Reconciler:
                 self.events(body, "Warning", new["reason"], new["message"])
             gone = set(previous.get("roles") or {}) - set(status["roles"])
             patch = {**status, "roles": {**{r: None for r in gone}, **status["roles"]}}
+            if "loras" in previous and "loras" not in status:  # LoRA switched off
+                patch["loras"] = None
             await self._write_status(body, patch)
 
     async def _epp(self, pool: PoolSpec, gie: GieConfig

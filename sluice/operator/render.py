@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from sluice import labels
-from sluice.operator import crd, engine_args
-from sluice.operator.spec import DECODE, PREFILL, HuggingFaceSource, PoolSpec, PvcSource, RoleSpec
+from sluice.operator import crd, engine_args, render_lora
+from sluice.operator.sources import HuggingFaceSource, PvcSource
+from sluice.operator.spec import DECODE, PREFILL, PoolSpec, RoleSpec
 
 Manifest = dict[str, Any]
 
@@ -124,7 +125,7 @@ def _env(pool: PoolSpec, config: RenderConfig | None = None) -> list[dict[str, A
         env.append({"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": {
             "name": config.engine_key_secret, "key": config.engine_key_key,
             "optional": True}}})
-    return env + [dict(e) for e in pool.engine.env]
+    return env + render_lora.lora_env(pool) + [dict(e) for e in pool.engine.env]
 
 
 def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
@@ -147,7 +148,8 @@ def _volumes(pool: PoolSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
     if pool.engine.kind == "vllm":  # NCCL / torch IPC need a real /dev/shm
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
-    return volumes, mounts
+    lora_volumes, lora_mounts = render_lora.adapter_volumes(pool)
+    return volumes + lora_volumes, mounts + lora_mounts
 
 
 def _kv_events_curve(pool: PoolSpec, config: RenderConfig) -> tuple[list[Any], list[Any],

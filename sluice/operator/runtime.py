@@ -24,6 +24,7 @@ from sluice.operator import cleanup, handlers, kube, metrics, redis_load
 from sluice.operator.autoscaler import Autoscaler, Sampler
 from sluice.operator.config import OperatorConfig
 from sluice.operator.events import EventPoster
+from sluice.operator.lora import LoraSyncer
 from sluice.operator.reconciler import EventSink, Reconciler
 from sluice.operator.retry import Retrier
 from sluice.operator.ticker import Ticker
@@ -31,24 +32,27 @@ from sluice.operator.ticker import Ticker
 
 def build_runtime(config: OperatorConfig, configuration: k8s.Configuration, *,
                   purge: cleanup.IndexPurger | None = None, sampler: Sampler | None = None,
-                  events: EventSink | None = None) -> handlers.Runtime:
+                  events: EventSink | None = None,
+                  transport: httpx.AsyncBaseTransport | None = None) -> handlers.Runtime:
     """`configuration`: the cluster and identity (`credentials.load`). `purge` None: the
-    Redis purger when `config.redis_url` is set, else no index cleanup (and no finalizer)."""
+    Redis purger when `config.redis_url` is set, else no index cleanup (and no finalizer).
+    `transport`: how the engines are reached (tests: engines on loopback)."""
     client = kube.KubeClient.from_configuration(configuration)
+    http = httpx.AsyncClient(transport=transport)  # to the engines: metrics and LoRA loads
     if sampler is None:
-        http = httpx.AsyncClient()
         sampler = functools.partial(_sample, http, config.metrics_timeout_s)
         if config.redis_url:  # engines unreachable from here: the gateways' load table
             sampler = redis_load.first_of(sampler, redis_load.redis_sampler(config.redis_url))
     if purge is None and config.redis_url:
         purge = cleanup.redis_purger(config.redis_url)
     events = events or EventPoster(client)
-    reconciler = Reconciler(client, config.render, events, gie=config.gie)
+    reconciler = Reconciler(client, config.render, events, gie=config.gie,
+                            loras=LoraSyncer(http, config.engine_api_key))
     autoscaler = Autoscaler(client, sampler, events)
     return handlers.Runtime(
         config=config, configuration=configuration, client=client, events=events, reconciler=reconciler,
         autoscaler=autoscaler, purge=purge, retrier=Retrier(config.backoff),
-        ticker=Ticker(client, config, reconciler, autoscaler))
+        ticker=Ticker(client, config, reconciler, autoscaler), http=http)
 
 
 async def _sample(http: httpx.AsyncClient, timeout: float, endpoints: list[dict[str, Any]],
@@ -92,3 +96,5 @@ async def run(config: OperatorConfig, configuration: k8s.Configuration, *,
         if isinstance(rt.events, EventPoster):
             await rt.events.flush()
         await rt.client.close()
+        if rt.http is not None:
+            await rt.http.aclose()

@@ -12,38 +12,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from sluice.operator.sources import (
+    LoraAdapter,
+    LoraConfig,
+    ModelSource,
+    SpecError,
+    parse_lora_config,
+    parse_loras,
+    parse_source,
+)
+
 SERVE, PREFILL, DECODE = "serve", "prefill", "decode"
 
 
 # (also the CRD's rule; a pool stored before it gets this as its Degraded message)
 VLLM_ROLES = ("prefill/decode roles need engine kind sluice: a vllm pool would need llm-d's "
               "routing sidecar on its decode pods, which Sluice does not run")
-
-
-class SpecError(ValueError):
-    """The spec cannot be rendered; the message is shown in the Degraded condition."""
-
-
-@dataclass(frozen=True)
-class HuggingFaceSource:
-    repo: str
-    revision: str | None = None
-    token_secret: str | None = None
-    token_key: str = "token"
-
-
-@dataclass(frozen=True)
-class PvcSource:
-    claim_name: str
-    path: str = ""
-
-
-@dataclass(frozen=True)
-class ImageSource:
-    path: str
-
-
-ModelSource = HuggingFaceSource | PvcSource | ImageSource | None
 
 
 @dataclass(frozen=True)
@@ -127,6 +111,7 @@ class EngineSpec:
     env: tuple[Mapping[str, Any], ...] = ()
     # --speculative-config as the engines take it (vLLM's JSON keys); None: no speculation
     speculative: tuple[tuple[str, Any], ...] | None = None
+    lora: LoraConfig | None = None  # spec.engine.lora as given (see PoolSpec.lora)
 
 
 @dataclass(frozen=True)
@@ -151,6 +136,13 @@ class PoolSpec:
     image_pull_secrets: tuple[str, ...] = ()
     service_account_name: str | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
+    loras: tuple[LoraAdapter, ...] = ()
+
+    @property
+    def lora(self) -> LoraConfig | None:
+        """The engines' LoRA limits: spec.engine.lora, else its defaults while adapters are
+        listed; None: engines without LoRA."""
+        return self.engine.lora or (LoraConfig() if self.loras else None)
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> PoolSpec:
@@ -160,7 +152,7 @@ class PoolSpec:
         if not model.get("name"):
             raise SpecError("spec.model.name is required")
         engine = _engine(spec.get("engine") or {})
-        source = _source(model.get("source"))
+        source = parse_source(model.get("source"))
         if source is None and engine.kind != "sluice":
             raise SpecError("engine kind vllm needs spec.model.source")
         roles_spec = spec.get("roles")
@@ -192,6 +184,7 @@ class PoolSpec:
             image_pull_secrets=tuple(s["name"] for s in spec.get("imagePullSecrets") or ()),
             service_account_name=spec.get("serviceAccountName"),
             labels=dict(meta.get("labels") or {}),
+            loras=parse_loras(spec.get("loras"), model["name"]),
         )
 
     def role(self, name: str) -> RoleSpec:
@@ -221,6 +214,7 @@ def _engine(e: Mapping[str, Any]) -> EngineSpec:
         prefix_caching=bool(e.get("prefixCaching", True)),
         args=tuple(e.get("args") or ()), env=tuple(e.get("env") or ()),
         speculative=_speculative(e.get("speculative"), e.get("kind", "sluice")),
+        lora=parse_lora_config(e.get("lora")),
     )
 
 
@@ -241,22 +235,6 @@ def _speculative(s: Mapping[str, Any] | None, kind: str) -> tuple[tuple[str, Any
     if method == "early_exit" and (kind != "sluice" or not s.get("numLayers")):
         raise SpecError("spec.engine.speculative early_exit needs kind sluice and numLayers")
     return tuple((_SPECULATIVE_KEYS[k], v) for k, v in s.items() if k in _SPECULATIVE_KEYS)
-
-
-def _source(s: Mapping[str, Any] | None) -> ModelSource:
-    if not s:
-        return None
-    kinds = [k for k in ("huggingFace", "pvc", "image") if k in s]
-    if len(kinds) != 1:
-        raise SpecError("model.source must set exactly one of huggingFace, pvc, image")
-    if "huggingFace" in s:
-        hf = s["huggingFace"]
-        ref = hf.get("tokenSecretRef") or {}
-        return HuggingFaceSource(hf["repo"], hf.get("revision") or None, ref.get("name"),
-                                 ref.get("key", "token"))
-    if "pvc" in s:
-        return PvcSource(s["pvc"]["claimName"], s["pvc"].get("path", ""))
-    return ImageSource(s["image"]["path"])
 
 
 def _resources(r: Mapping[str, Any] | None) -> Resources:

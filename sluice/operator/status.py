@@ -50,7 +50,9 @@ def _role_counts(dep: Mapping[str, Any] | None, generation_ok: bool) -> dict[str
 
 
 def compute_status(pool: PoolSpec, observed: Observed, problems: list[Problem],
-                   previous: Mapping[str, Any] | None, now: str) -> dict[str, Any]:
+                   previous: Mapping[str, Any] | None, now: str,
+                   loras: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """`loras`: status.loras as `lora.LoraSyncer` found it; None: LoRA is off (no field)."""
     previous = previous or {}
     prev_conditions = {c["type"]: c for c in previous.get("conditions") or ()}
     roles: dict[str, dict[str, Any]] = {}
@@ -100,6 +102,8 @@ def compute_status(pool: PoolSpec, observed: Observed, problems: list[Problem],
         "conditions": [ready_cond, progress, degraded],
         "endpoints": endpoints(observed.pods),
     }
+    if loras is not None:
+        status["loras"] = loras
     for key in AUTOSCALER_FIELDS:
         if key in previous:
             status[key] = previous[key]
