@@ -34,3 +34,16 @@ def peft_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
                              do_sample=False, eos_token_id=None, pad_token_id=0,
                              min_new_tokens=max_new_tokens)
     return out[0, len(prompt):].tolist()
+
+
+def hub_cache(cache: Path, repo_id: str, folder: Path) -> Path:
+    """Put an adapter folder into a Hugging Face Hub cache at `cache` as `repo_id`'s main
+    revision (the layout huggingface_hub reads offline)."""
+    import shutil
+
+    sha = "0" * 40
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(sha)
+    shutil.copytree(folder, repo / "snapshots" / sha)
+    return cache

@@ -18,6 +18,7 @@ KEY = "base_model.model.model.layers.{}.self_attn.{}.lora_{}.weight"
 
 
 def adapter(tmp_path, tensors=None, **config):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     tensors = tensors if tensors is not None else {
         KEY.format(0, "q_proj", "A"): torch.ones(4, 64), KEY.format(0, "q_proj", "B"): torch.ones(64, 4)}
     (tmp_path / "adapter_config.json").write_text(json.dumps(
@@ -81,3 +82,31 @@ def test_lora_flags_parse_as_vllm_writes_them():
         LoRAConfig(max_lora_rank=12)
     with pytest.raises(ValueError, match="--max-cpu-loras must be at least --max-loras"):
         LoRAConfig(max_loras=4, max_cpu_loras=2)
+
+
+def test_a_hub_repository_id_resolves_through_the_hub_cache(tmp_path):
+    """vLLM's lora_path may name a Hub repository: fetched into (here: found offline in) the
+    Hub cache; a repository that is nowhere is refused by name."""
+    import os
+    import subprocess
+    import sys
+
+    from lora_adapters import hub_cache
+
+    adapter(tmp_path / "src")
+    cache = hub_cache(tmp_path / "hub", "org/sql-adapter", tmp_path / "src")
+    code = ("from sluice.engine.lora.peft_adapter import load_peft_adapter as load, LoRAError\n"
+            "from sluice.engine.config import ModelConfig\n"
+            "from sluice.engine.loader import read_hf_config\n"
+            "import torch\n"
+            "cfg = ModelConfig.from_hf(read_hf_config('tiny-llama', 'dummy'))\n"
+            "print(load('org/sql-adapter', cfg, 16, torch.float32).rank)\n"
+            "try:\n"
+            "    load('org/missing', cfg, 16, torch.float32)\n"
+            "except LoRAError as exc:\n"
+            "    print(exc)\n")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120, check=True).stdout.splitlines()
+    assert out[0] == "4"
+    assert out[1].startswith("org/missing: no such folder, and no Hugging Face Hub adapter")

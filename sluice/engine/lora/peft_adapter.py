@@ -1,6 +1,10 @@
 """Read a PEFT LoRA adapter folder (`adapter_config.json` + `adapter_model.safetensors`)
 into per-layer (A, B) pairs for the base model's projections.
 
+The path is a folder or, as vLLM takes it, a Hugging Face Hub repository id (`org/name`),
+fetched into the Hub cache (its two files only; HF_TOKEN, HF_HUB_OFFLINE and HF_HUB_CACHE
+apply as they do to transformers).
+
 PEFT computes y = W x + B (A x) * scaling with scaling = lora_alpha / r, or
 lora_alpha / sqrt(r) with `use_rslora`; `alpha_pattern` overrides lora_alpha per module
 and `rank_pattern` r (the tensors carry the rank). The scaling is folded into B here,
@@ -23,6 +27,7 @@ import torch
 from sluice.engine.config import ModelConfig
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 _KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])"
                   r"(?:\.default)?\.weight")
 
@@ -52,9 +57,25 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
             "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
 
 
+def resolve_adapter(path: str) -> Path:
+    """The adapter's folder: `path` itself, or a Hub repository's snapshot."""
+    folder = Path(path)
+    if folder.exists() or not _REPO_ID.fullmatch(path):
+        return folder
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(path, allow_patterns=[
+            "adapter_config.json", "adapter_model.safetensors"]))
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as exc:
+        raise LoRAError(f"{path}: no such folder, and no Hugging Face Hub adapter by that "
+                        f"name could be fetched ({type(exc).__name__}: {exc})") from None
+
+
 def load_peft_adapter(path: str, cfg: ModelConfig, max_rank: int,
                       dtype: torch.dtype) -> LoRAWeights:
-    folder = Path(path)
+    folder = resolve_adapter(path)
     config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
     if not config_file.is_file():
         raise LoRAError(f"no adapter_config.json in {path}")
@@ -104,7 +125,7 @@ def load_peft_adapter(path: str, cfg: ModelConfig, max_rank: int,
         modules[(layer, module)] = (a.to(dtype).contiguous(),
                                     (b.double() * scale).to(dtype).contiguous())
         rank = max(rank, r)
-    return LoRAWeights(str(folder), rank, modules)
+    return LoRAWeights(path, rank, modules)
 
 
 def _check_config(pcfg: dict) -> None:
