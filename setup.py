@@ -29,6 +29,9 @@ SOURCES = {
                           "-fno-signed-zeros", "-fno-trapping-math"],
     # No fused multiply-adds: PyTorch rounds each product on its own.
     "norm_rotary.c": ["-O3", "-fopenmp-simd", "-fno-math-errno", "-ffp-contract=off"],
+    # A float32 sum of products, in any order (as a GEMM's).
+    "lora.c": ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fassociative-math",
+               "-fno-signed-zeros", "-fno-trapping-math"],
 }
 # Best last; the names are those torch_bindings.cpp checks the CPU for.
 VARIANTS = {

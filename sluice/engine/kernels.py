@@ -1,5 +1,6 @@
 """The engine's CPU kernels (csrc/), built into `sluice.engine._C` when the package is
-installed (setup.py), as torch ops: `torch.ops.sluice.rms_norm`, `rotary`, `paged_attention`.
+installed (setup.py), as torch ops: `torch.ops.sluice.rms_norm`, `rotary`, `paged_attention`,
+`lora_add`.
 
 `ops()` imports the library once. The best instruction-set variant the CPU runs is used, or
 the one `SLUICE_CPU_ISA` names (`portable`, `avx2`, `avx512`, `avx512bf16` on x86-64; an
@@ -44,6 +45,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("sluice::rotary")
     def _rotary(x, cos, sin):
         return x.new_empty(x.shape)
+
+    @torch.library.register_fake("sluice::lora_add")
+    def _lora_add(y, x, a, b, row_slots, part_sizes, rank):
+        return None
 
     @torch.library.register_fake("sluice::paged_attention")
     def _paged_attention(q, out, key_cache, value_cache, block_tables, seq_rows, q_starts,

@@ -1,4 +1,5 @@
-// The engine's CPU kernels as torch ops: torch.ops.sluice.{rms_norm, rotary, paged_attention}.
+// The engine's CPU kernels as torch ops: torch.ops.sluice.{rms_norm, rotary, paged_attention,
+// lora_add}.
 //
 // Policy: the library holds every instruction-set variant setup.py built (SLUICE_ISAS, a
 // macro it defines, best last); the first call uses the best one this CPU runs, unless
@@ -25,6 +26,9 @@ using RmsNormFn = void (*)(const uint16_t *, int64_t, const uint16_t *, uint16_t
                            float);
 using RotaryFn = void (*)(const uint16_t *, int64_t, uint16_t *, const uint16_t *,
                           const uint16_t *, int64_t, int, int);
+using LoraAddFn = void (*)(const uint16_t *, int64_t, uint16_t *, int64_t, const uint16_t *,
+                           const uint16_t *, const int32_t *, int64_t, int, int, int,
+                           const int32_t *, int, float *, float *);
 using AttentionFn = int (*)(const void *, void *, const void *, const void *, const int32_t *,
                             int64_t, const int32_t *, const int32_t *, const int32_t *,
                             const int32_t *, int, int, int, int, int, float, int, int);
@@ -38,7 +42,11 @@ using AttentionFn = int (*)(const void *, void *, const void *, const void *, co
     extern "C" int sluice_paged_attention_##isa(                                         \
         const void *, void *, const void *, const void *, const int32_t *, int64_t,      \
         const int32_t *, const int32_t *, const int32_t *, const int32_t *, int, int, int, \
-        int, int, float, int, int);
+        int, int, float, int, int);                                                      \
+    extern "C" void sluice_lora_add_##isa(const uint16_t *, int64_t, uint16_t *, int64_t, \
+                                          const uint16_t *, const uint16_t *,             \
+                                          const int32_t *, int64_t, int, int, int,        \
+                                          const int32_t *, int, float *, float *);
 SLUICE_ISAS(SLUICE_DECLARE)
 
 namespace {
@@ -48,10 +56,12 @@ struct Variant {
     RmsNormFn rms_norm;
     RotaryFn rotary;
     AttentionFn paged_attention;
+    LoraAddFn lora_add;
 };
 
-#define SLUICE_ENTRY(isa) \
-    Variant{#isa, sluice_rms_norm_##isa, sluice_rotary_##isa, sluice_paged_attention_##isa},
+#define SLUICE_ENTRY(isa)                                                                 \
+    Variant{#isa, sluice_rms_norm_##isa, sluice_rotary_##isa, sluice_paged_attention_##isa, \
+            sluice_lora_add_##isa},
 const Variant kVariants[] = {SLUICE_ISAS(SLUICE_ENTRY)};
 
 // Whether this CPU (and its OS, for the AVX-512 state) runs a variant's instructions; the
@@ -207,6 +217,42 @@ void paged_attention(const at::Tensor &q, at::Tensor &out, const at::Tensor &key
                 "): head_dim and block_size at most 256, heads a multiple of kv_heads");
 }
 
+// y [rows, out] += each row's LoRA delta (lora.c): bf16 x [rows, in], a [slots, w, in],
+// b [slots, w, out] (w = parts x rank), int32 row_slots [rows] (-1: none).
+void lora_add(at::Tensor &y, const at::Tensor &x, const at::Tensor &a, const at::Tensor &b,
+              const at::Tensor &row_slots, at::IntArrayRef part_sizes, int64_t rank) {
+    check_cpu(x, "x");
+    for (const at::Tensor *t : {static_cast<const at::Tensor *>(&y), &x, &a, &b})
+        TORCH_CHECK(t->scalar_type() == at::kBFloat16, "lora_add takes bfloat16");
+    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && y.dim() == 2 && y.stride(1) == 1 &&
+                    y.size(0) == x.size(0), "x [rows, in], y [rows, out]: rows contiguous");
+    const int64_t parts = static_cast<int64_t>(part_sizes.size()), w = parts * rank;
+    TORCH_CHECK(rank > 0 && parts > 0 && a.is_contiguous() && b.is_contiguous() &&
+                    a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) && a.size(1) == w &&
+                    b.size(1) == w && a.size(2) == x.size(1) && b.size(2) == y.size(1),
+                "a [slots, parts x rank, in], b [slots, parts x rank, out], contiguous");
+    std::vector<int32_t> ends;
+    int64_t total = 0;
+    for (int64_t size : part_sizes) ends.push_back(static_cast<int32_t>(total += size));
+    TORCH_CHECK(total == y.size(1), "the parts' sizes add up to out");
+    const int64_t rows = x.size(0), slots = a.size(0);
+    TORCH_CHECK(row_slots.scalar_type() == at::kInt && row_slots.is_contiguous() &&
+                    row_slots.numel() == rows, "row_slots: int32 [rows]");
+    const int32_t *rs = in<int32_t>(row_slots);
+    for (int64_t t = 0; t < rows; t++)
+        TORCH_CHECK(rs[t] < slots, "row ", t, " names slot ", rs[t], " of ", slots);
+    const LoraAddFn fn = current().lora_add;
+    uint16_t *dst = out_of<uint16_t>(y);
+    const uint16_t *src = in<uint16_t>(x), *pa = in<uint16_t>(a), *pb = in<uint16_t>(b);
+    const int64_t xs = x.stride(0), ys = y.stride(0), width = x.size(1), out = y.size(1);
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scratch(w + out);
+        fn(src + begin * xs, xs, dst + begin * ys, ys, pa, pb, rs + begin, end - begin,
+           static_cast<int>(width), static_cast<int>(out), static_cast<int>(rank), ends.data(),
+           static_cast<int>(parts), scratch.data(), scratch.data() + w);
+    });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(sluice, m) {
@@ -215,6 +261,8 @@ TORCH_LIBRARY(sluice, m) {
     m.def("paged_attention(Tensor q, Tensor(a!) out, Tensor key_cache, Tensor value_cache, "
           "Tensor block_tables, Tensor seq_rows, Tensor q_starts, Tensor q_lens, "
           "Tensor seq_lens, float scale) -> ()");
+    m.def("lora_add(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor row_slots, "
+          "int[] part_sizes, int rank) -> ()");
     m.def("cpu_isa() -> str", &cpu_isa);
     m.def("cpu_isas() -> str[]", &cpu_isas);
     m.def("select_cpu_isa(str name) -> ()", &select_cpu_isa);
@@ -224,6 +272,7 @@ TORCH_LIBRARY_IMPL(sluice, CPU, m) {
     m.impl("rms_norm", &rms_norm);
     m.impl("rotary", &rotary);
     m.impl("paged_attention", &paged_attention);
+    m.impl("lora_add", &lora_add);
 }
 
 // `import sluice.engine._C` loads the library, whose static initialisers register the ops.

@@ -50,6 +50,7 @@ class LoRALinear(Linear):
         for size in parts.values():
             offsets.append(offsets[-1] + size)
         self.parts = tuple((offsets[i], size) for i, size in enumerate(parts.values()))
+        self.part_sizes = tuple(parts.values())
         self.lora_a: torch.Tensor | None = None  # [slots, parts * rank, in]
         self.lora_b: torch.Tensor | None = None  # [slots, parts * rank, out], block-diagonal
 
@@ -82,7 +83,7 @@ class LoRALinear(Linear):
         rows = x.reshape(-1, self.in_features)
         assert rows.shape[0] == mapping.num_tokens, "the mapping is another forward's"
         self.ctx.ops.add_lora(y.view(-1, self.out_features), rows, self.lora_a, self.lora_b,
-                              mapping)
+                              self.part_sizes, mapping)
         return y
 
 

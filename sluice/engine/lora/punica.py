@@ -6,7 +6,9 @@ under another (e.g. q, k, v of a fused qkv_proj: w = parts x rank) and `b` [slot
 their B^T block-diagonally (part j's rank rows feed only part j's output columns; scaling
 folded in). Ranks below the layer's are zero-padded, which adds nothing.
 
-Two ways to add it, chosen per forward by its row count (`LoRAMapping.dense`):
+Three ways to add it, chosen per forward by its row count (`LoRAMapping.dense`) and dtype:
+- on a CPU in bfloat16, up to DENSE_MAX_ROWS rows: one C call per layer (csrc/lora.c),
+  each row's own slot and each part's block of B only (`CpuLoRAOps`);
 - dense (a step of decodes and short chunks, at most DENSE_MAX_ROWS rows): one shrink
   of every row against every slot in use, h = x [A_0; A_1; ...]^T, the columns of other
   slots zeroed by a mask made once per forward, then one expand y += h [B_0; B_1; ...].
@@ -77,12 +79,13 @@ class LoRAMapping:
 
 class LoRAOps(Protocol):
     def add_lora(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                 mapping: LoRAMapping) -> None:
-        """y [T, out] += each row's delta (a [slots, w, in], b [slots, w, out])."""
+                 part_sizes: tuple[int, ...], mapping: LoRAMapping) -> None:
+        """y [T, out] += each row's delta (a [slots, w, in], b [slots, w, out]; the parts'
+        output widths, in order)."""
 
 
 class TorchLoRAOps:
-    def add_lora(self, y, x, a, b, mapping):
+    def add_lora(self, y, x, a, b, part_sizes, mapping):
         if mapping.dense:
             k, w = mapping.num_slots, a.shape[1]
             h = x @ a[:k].reshape(k * w, -1).T
@@ -93,10 +96,28 @@ class TorchLoRAOps:
             y[start:end].addmm_(x[start:end] @ a[slot].T, b[slot])
 
 
+class CpuLoRAOps(TorchLoRAOps):
+    """bfloat16 steps of the dense range: one C call per layer (csrc/lora.c, computing
+    only each row's own slot and parts); other steps and dtypes: torch's paths."""
+
+    def __init__(self, ops) -> None:
+        self.ops = ops
+
+    def add_lora(self, y, x, a, b, part_sizes, mapping):
+        if x.dtype != torch.bfloat16 or not mapping.dense:
+            return super().add_lora(y, x, a, b, part_sizes, mapping)
+        self.ops.lora_add(y, x, a, b, mapping.token_slots, part_sizes,
+                          a.shape[1] // len(part_sizes))
+
+
 def lora_ops(device: torch.device) -> LoRAOps:
-    """The delta's implementation for the device: Triton kernels on CUDA, else torch."""
+    """The delta's implementation for the device: Triton kernels on CUDA; on CPU the C
+    kernel where it is installed (sluice.engine._C), else torch."""
     if device.type == "cuda":
         from sluice.engine.lora.triton_ops import TritonLoRAOps
 
         return TritonLoRAOps()
-    return TorchLoRAOps()
+    from sluice.engine import kernels
+
+    ops = kernels.ops()
+    return TorchLoRAOps() if ops is None else CpuLoRAOps(ops)

@@ -54,7 +54,7 @@ def _expand(h_ptr, b_ptr, y_ptr, slots_ptr, W, N,
 
 class TritonLoRAOps:
     def add_lora(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                 mapping: LoRAMapping) -> None:
+                 part_sizes: tuple[int, ...], mapping: LoRAMapping) -> None:
         slots = mapping.token_slots
         assert slots.numel() == x.shape[0] == y.shape[0]
         assert x.stride(1) == a.stride(2) == b.stride(2) == y.stride(1) == 1
