@@ -179,10 +179,10 @@ def test_the_lora_delta_equals_a_per_row_reference_on_every_path(rows):
         if s >= 0:
             want[t] += b[s].T @ (a[s] @ x[t])
     got = y.clone()
-    punica.TorchLoRAOps().add_lora(got, x, a, b, mapping)
+    punica.TorchLoRAOps().add_lora(got, x, a, b, (40,), mapping)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert torch.equal(got[3:5], y[3:5])
     if rows < 50:  # (the interpreter is slow)
         got = y.clone()
-        TritonLoRAOps().add_lora(got, x, a, b, mapping)
+        TritonLoRAOps().add_lora(got, x, a, b, (40,), mapping)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
