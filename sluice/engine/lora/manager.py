@@ -115,9 +115,15 @@ class LoRAManager:
             raise LoRAError(f"The lora adapter '{name}' has already been loaded.")
 
     def _read(self, path: str) -> LoRAWeights:
+        """The adapter's weights; whatever goes wrong reading a file a client named is a
+        LoRAError (a 400), never an error of the engine."""
         try:
             return load_peft_adapter(path, self.model_config, self.config.max_lora_rank,
                                      self.dtype)
+        except LoRAError:
+            raise
+        except Exception as exc:  # noqa: BLE001 -- e.g. a tensor torch cannot convert
+            raise LoRAError(f"{path}: cannot be read ({type(exc).__name__}: {exc})") from None
         finally:
             _release_freed_memory()
 
