@@ -12,6 +12,7 @@ none, and the layer is the base linear.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -45,17 +46,13 @@ class LoRALinear(Linear):
                  ctx: LoRAContext):
         super().__init__(in_features, sum(parts.values()), bias)
         self.ctx = ctx
-        self.part_names = tuple(parts)
-        offsets = [0]
-        for size in parts.values():
-            offsets.append(offsets[-1] + size)
-        self.parts = tuple((offsets[i], size) for i, size in enumerate(parts.values()))
-        self.part_sizes = tuple(parts.values())
+        self.part_names, self.part_sizes = tuple(parts), tuple(parts.values())
+        self.part_offsets = tuple(itertools.accumulate(self.part_sizes, initial=0))[:-1]
         self.lora_a: torch.Tensor | None = None  # [slots, parts * rank, in]
         self.lora_b: torch.Tensor | None = None  # [slots, parts * rank, out], block-diagonal
 
     def create_lora_weights(self, dtype: torch.dtype) -> None:
-        ctx, n = self.ctx, len(self.parts)
+        ctx, n = self.ctx, len(self.part_sizes)
         self.lora_a = torch.zeros(ctx.max_loras, n * ctx.max_rank, self.in_features,
                                   dtype=dtype, device=ctx.device)
         self.lora_b = torch.zeros(ctx.max_loras, n * ctx.max_rank, self.out_features,
@@ -70,8 +67,7 @@ class LoRALinear(Linear):
         for j, name in enumerate(self.part_names):
             if name in weights:
                 a, b = weights[name]
-                r = a.shape[0]
-                off, size = self.parts[j]
+                r, off, size = a.shape[0], self.part_offsets[j], self.part_sizes[j]
                 self.lora_a[slot, j * rank:j * rank + r].copy_(a)
                 self.lora_b[slot, j * rank:j * rank + r, off:off + size].copy_(b.T)
 
