@@ -200,7 +200,7 @@ def main_serving(config: EngineConfig, args: argparse.Namespace) -> int:
     names = (["defaults"] if args.vllm_url or args.sluice_url
              else threads.parse_setups(args.thread_setups))
     preload = None if args.vllm_url else threads.vllm_preload(vllm_python(args))
-    setups = [threads.setup(n, args.num_threads, _env(args.vllm_env), usable, preload)
+    setups = [threads.setup(n, args.num_threads, vllm_env(args.vllm_env), usable, preload)
               for n in names]
     results = []
     for setup in setups:
@@ -247,7 +247,8 @@ def _server(name: str, config: EngineConfig, args: argparse.Namespace, log_dir: 
                       extra_args=shlex.split(args.vllm_args), extra_env=setup.vllm_env)
 
 
-def _env(pairs: list[str]) -> dict[str, str]:
+def vllm_env(pairs: list[str]) -> dict[str, str]:
+    """`--vllm-env KEY=VALUE` pairs as a dict."""
     env = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -266,7 +267,7 @@ def run_vllm_offline(config: EngineConfig, args: argparse.Namespace,
                 "max_model_len": max_model_len(config), "seed": config.seed,
                 "prompts": [p for p, _ in requests], "output_lens": [o for _, o in requests]}
     (work / "workload.json").write_text(json.dumps(workload))
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib(config)), **_env(args.vllm_env)}
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib(config)), **vllm_env(args.vllm_env)}
     print(f"vLLM offline run, log: {work / 'vllm.log'}", file=sys.stderr, flush=True)
     process = Process("vllm", [python, str(OFFLINE_SCRIPT), str(work / "workload.json"),
                                str(work / "result.json")], work / "vllm.log", env=env)

@@ -76,7 +76,7 @@ def main(args: argparse.Namespace) -> int:
     preload = threads.vllm_preload(compare.vllm_python(args)) if args.compare else None
     results = []
     for name in threads.parse_setups(args.thread_setups):
-        setup = threads.setup(name, args.num_threads, compare._env(args.vllm_env), usable,
+        setup = threads.setup(name, args.num_threads, compare.vllm_env(args.vllm_env), usable,
                               preload)
         row = {"threads": setup.name, "binding": setup.describe(usable)}
         for engine in engines:

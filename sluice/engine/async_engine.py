@@ -198,8 +198,8 @@ class AsyncEngine:
                 except ValueError as exc:
                     done.get_loop().call_soon_threadsafe(_set_result, done, str(exc))
             elif cmd[0] == "unload":
-                lora, done = self.engine.lora, cmd[2]
-                removed = lora is not None and lora.remove(cmd[1])
+                done = cmd[2]
+                removed = self.engine.unload_lora(cmd[1])
                 done.get_loop().call_soon_threadsafe(_set_result, done, removed)
             else:
                 if self.engine.abort_request(cmd[1]) is not None:

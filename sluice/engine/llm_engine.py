@@ -237,9 +237,11 @@ class LLMEngine:
 
     def finished_lora_loads(self) -> list[tuple[object, str | None]]:
         """(tag, error or None) of loads that ended since the last call."""
-        if self.lora is None:
-            return []
-        return self.lora.finished_adds({r.lora.lora_id for r in self.scheduler.running if r.lora})
+        return [] if self.lora is None else self.lora.finished_adds(self.scheduler.running)
+
+    def unload_lora(self, name: str) -> bool:
+        """Unregister an adapter (its running requests finish with it); False if unknown."""
+        return self.lora is not None and self.lora.remove(name)
 
     def lora_modules(self) -> dict[str, str]:
         registered = self.lora.registered.values() if self.lora else ()

@@ -8,8 +8,9 @@ refuses a name listed twice itself, and server-side apply merges adapters by nam
 
 from __future__ import annotations
 
+from sluice.lora_limits import LORA_RANKS
 from sluice.operator.crd_types import Schema, cel, obj, prop, rules
-from sluice.operator.sources import LORA_NAME_MAX, LORA_NAME_PATTERN, LORA_RANKS, MAX_ADAPTERS
+from sluice.operator.sources import LORA_NAME_MAX, LORA_NAME_PATTERN, MAX_ADAPTERS
 
 # (spec-level: it compares with spec.model.name)
 NAME_NOT_MODEL = cel("!has(self.loras) || self.loras.all(l, l.name != self.model.name)",

@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from sluice.lora_limits import LORA_RANKS
+
 
 class SpecError(ValueError):
     """The spec cannot be rendered; the message is shown in the Degraded condition."""
@@ -50,8 +52,6 @@ def parse_source(s: Mapping[str, Any] | None, what: str = "model.source") -> Mod
     return ImageSource(s["image"]["path"])
 
 
-# vLLM's `--max-lora-rank` choices (its MaxLoRARanks); our engine takes the same flag.
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # What clients send as `model` for an adapter: the characters of Hub repository ids.
 LORA_NAME_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._/-]*[A-Za-z0-9])?$"
 LORA_NAME_MAX = 128

@@ -210,8 +210,7 @@ class EngineCore:
             except ValueError as exc:
                 out.send(encoder.encode(Reply(cmd.call_id, False, str(exc))))
         elif isinstance(cmd, UnloadLoRA):
-            lora = self.llm.lora
-            out.send(encoder.encode(Reply(cmd.call_id, lora is not None and lora.remove(cmd.name))))
+            out.send(encoder.encode(Reply(cmd.call_id, self.llm.unload_lora(cmd.name))))
 
     def _release_kv_holds(self) -> bool:
         """Disaggregated prefill: free blocks held for a pull that came or timed out."""

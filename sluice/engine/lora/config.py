@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-# vLLM's accepted --max-lora-rank values
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+from sluice.lora_limits import LORA_RANKS
 
 
 @dataclass(frozen=True)

@@ -83,10 +83,14 @@ class LoRAManager:
         self._check_new(name)
         self._adding.append((tag, name, path, self._pool.submit(self._read, path)))
 
-    def finished_adds(self, running_ids: set[int]) -> list[tuple[object, str | None]]:
-        """Adds whose read ended since the last call, registered or refused."""
+    def finished_adds(self, running: list) -> list[tuple[object, str | None]]:
+        """Adds whose read ended since the last call, registered or refused; `running`:
+        the running requests (their adapters stay loaded)."""
+        if not self._adding:
+            return []
         done, self._adding = ([a for a in self._adding if a[3].done()],
                               [a for a in self._adding if not a[3].done()])
+        running_ids = {r.lora.lora_id for r in running if r.lora}
         results = []
         for tag, name, path, read in done:
             try:
