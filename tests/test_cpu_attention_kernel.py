@@ -107,15 +107,15 @@ def test_extreme_scores_stay_finite_and_nan_propagates(ops, dtype):
 def test_without_the_kernels_the_engine_keeps_the_pytorch_path(monkeypatch):
     """An install built without torch has no sluice.engine._C: kernels.ops() is None, the engine
     builds the PyTorch backend, and `--attention-backend cpu` refuses to start."""
-    from sluice.engine.llm_engine import LLMEngine
+    from sluice.engine.model_setup import cpu_backend
 
     kernels.ops.cache_clear()
     monkeypatch.setitem(sys.modules, "sluice.engine._C", None)  # import raises ImportError
     try:
         assert kernels.ops() is None
-        assert type(LLMEngine._cpu_backend(required=False)) is TorchAttentionBackend
+        assert type(cpu_backend(required=False)) is TorchAttentionBackend
         with pytest.raises(RuntimeError, match="not installed"):
-            LLMEngine._cpu_backend(required=True)
+            cpu_backend(required=True)
     finally:
         kernels.ops.cache_clear()
     monkeypatch.undo()

@@ -49,8 +49,8 @@ def _check(tp, rank: int, world: int, kv_heads: int, path: str) -> None:
     shards = qkv_shards(HEADS, kv_heads, HEAD_DIM, tp)
     qkv = ColumnParallelLinear(HIDDEN, shards, True, tp)
     for name, w, b in (("q_proj", q_w, q_b), ("k_proj", k_w, k_b), ("v_proj", v_w, v_b)):
-        qkv.weight_loader(name, w)
-        qkv.weight_loader(name, b, is_bias=True)
+        qkv.weight_loader("weight", w, name)
+        qkv.weight_loader("bias", b, name)
     out = qkv(x)
     for name, w, b in (("q_proj", q_w, q_b), ("k_proj", k_w, k_b), ("v_proj", v_w, v_b)):
         s, off = shards[name], qkv.local_offsets[name]
@@ -61,8 +61,8 @@ def _check(tp, rank: int, world: int, kv_heads: int, path: str) -> None:
 
     # o_proj over this rank's q heads: the all-reduced sum is the full layer
     o = RowParallelLinear(HEADS * HEAD_DIM, HIDDEN, True, tp)
-    o.weight_loader(o_w)
-    o.weight_loader(o_b, is_bias=True)
+    o.weight_loader("weight", o_w, "o_proj")
+    o.weight_loader("bias", o_b, "o_proj")
     attn = rand(TOKENS, HEADS * HEAD_DIM)
     q = shards["q_proj"]
     torch.testing.assert_close(o(attn[:, q.start:q.start + q.size]), F.linear(attn, o_w, o_b))
@@ -70,15 +70,15 @@ def _check(tp, rank: int, world: int, kv_heads: int, path: str) -> None:
     # the MLP: column-parallel gate/up, then row-parallel down
     gate_up = ColumnParallelLinear(HIDDEN, column_shards(
         {"gate_proj": INTER, "up_proj": INTER}, tp), False, tp)
-    gate_up.weight_loader("gate_proj", gate_w)
-    gate_up.weight_loader("up_proj", up_w)
+    gate_up.weight_loader("weight", gate_w, "gate_proj")
+    gate_up.weight_loader("weight", up_w, "up_proj")
     # (read from a safetensors file as the loader will: each rank its slice only)
     if rank == 0:
         save_file({"down": down_w, "emb": emb}, path)
     torch.distributed.barrier(group=tp.group)
     down = RowParallelLinear(INTER, HIDDEN, False, tp)
     with safe_open(path, framework="pt") as f:
-        down.weight_loader(f.get_slice("down"))
+        down.weight_loader("weight", f.get_slice("down"), "down_proj")
     g, u = gate_up(x).chunk(2, dim=-1)
     want = F.linear(F.silu(F.linear(x, gate_w)) * F.linear(x, up_w), down_w)
     torch.testing.assert_close(down(F.silu(g) * u), want)
@@ -86,12 +86,12 @@ def _check(tp, rank: int, world: int, kv_heads: int, path: str) -> None:
     # the vocabulary: embedding on every rank, logits on rank 0
     embedding = VocabParallelEmbedding(VOCAB, HIDDEN, tp)
     with safe_open(path, framework="pt") as f:
-        embedding.weight_loader(f.get_slice("emb"))
+        embedding.weight_loader("weight", f.get_slice("emb"), "embed_tokens")
     torch.testing.assert_close(embedding(ids), F.embedding(ids, emb))
     for tied in (True, False):
         head = ParallelLMHead(embedding, tied)
         if not tied:
-            head.weight_loader(emb * 2)
+            head.weight_loader("weight", emb * 2, "lm_head")
         logits = head(x)
         if rank == 0:
             torch.testing.assert_close(logits, F.linear(x, emb if tied else emb * 2))

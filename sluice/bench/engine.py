@@ -118,8 +118,8 @@ def run_latency(llm, args) -> dict:
 def _run_hf(config, args):
     """Measure transformers first (on a free device), then hand its weights to the engine."""
     from sluice.bench.hf_compare import build_hf_model, hf_latency, hf_weights
-    from sluice.engine.llm_engine import resolve_device, resolve_dtype
     from sluice.engine.loader import read_hf_config
+    from sluice.engine.model_setup import resolve_device, resolve_dtype
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)

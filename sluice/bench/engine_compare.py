@@ -105,7 +105,7 @@ def vllm_python(args: argparse.Namespace) -> str:
 
 
 def dtype_name(config: EngineConfig) -> str:
-    from sluice.engine.llm_engine import resolve_device, resolve_dtype
+    from sluice.engine.model_setup import resolve_device, resolve_dtype
 
     return str(resolve_dtype(config.dtype, resolve_device(config.device))).removeprefix("torch.")
 

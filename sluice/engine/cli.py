@@ -7,7 +7,13 @@ import logging
 import os
 import socket
 
-from sluice.engine.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
+from sluice.engine.config import (
+    CacheConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    parse_size,
+)
 
 log = logging.getLogger("sluice.engine")
 
@@ -68,10 +74,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default sampling parameters: 'auto' (the model folder's "
                         "generation_config.json), 'vllm' (none), or a folder")
     p.add_argument("--num-threads", type=int, default=None,
-                   help="CPU threads for torch in the engine core (default: the physical "
+                   help="CPU threads for torch in the engine core, per tensor-parallel rank "
+                        "(default: the physical "
                         "cores, at most the CPUs this process may use (affinity and cgroup "
                         "quota) minus one left to the API process; oversubscribed threads "
                         "stall)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many ranks, one process each: GPUs 0 .. "
+                        "N-1 on CUDA (NCCL), core groups of --num-threads each on the CPU "
+                        "(gloo); the heads, the MLP and the vocabulary divide by it")
     p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
                    help="clients send Authorization: Bearer KEY (also $VLLM_API_KEY, as vLLM); "
                         "without it the OpenAI API is open and the admin endpoints and API "
@@ -186,6 +197,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_transfer=args.kv_transfer_config,
         speculative=getattr(args, "speculative_config", None),
         lora=_lora_config(args),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
     )
 
 
@@ -218,7 +230,8 @@ def main(args: argparse.Namespace) -> int:
 
     # torch's own default counts the machine's physical cores, blind to the affinity
     # mask and a cgroup quota (a pod's CPU limit): bounded by them
-    num_threads = args.num_threads or min(torch.get_num_threads(), engine_threads(usable_cpus()))
+    num_threads = args.num_threads or min(torch.get_num_threads(), engine_threads(
+        usable_cpus(), config.parallel.tensor_parallel_size))
     defaults = load_sampling_defaults(args.generation_config, config.model)
     if defaults:
         log.info("default sampling parameters from generation_config.json: %s", defaults)

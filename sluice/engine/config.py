@@ -112,6 +112,18 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """--tensor-parallel-size: the model split over this many ranks (GPUs, or CPU core
+    groups), one process each (distributed/)."""
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError("--tensor-parallel-size must be at least 1")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str
     served_model_name: str
@@ -126,6 +138,18 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # --speculative-config; None: off
     kv_transfer: KVTransferConfig | None = None  # disaggregated prefill/decode (kv_transfer/)
     lora: LoRAConfig | None = None  # --enable-lora (lora/); None: base model only
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        if self.parallel.tensor_parallel_size == 1:
+            return
+        refused = {"--enable-lora": self.lora is not None,
+                   "--kv-transfer-config": self.kv_transfer is not None,
+                   "--speculative-config with method early_exit": (
+                       self.speculative is not None and self.speculative.method == "early_exit")}
+        for flag, given in refused.items():
+            if given:
+                raise ValueError(f"{flag} is not supported with --tensor-parallel-size > 1")
 
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)

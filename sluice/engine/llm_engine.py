@@ -7,17 +7,26 @@ import time
 
 import torch
 
-from sluice.engine import kernels
-from sluice.engine.attention.cpu_backend import CpuAttentionBackend
-from sluice.engine.attention.torch_backend import TorchAttentionBackend
-from sluice.engine.config import EngineConfig
+from sluice.engine.config import EngineConfig, ModelConfig
+from sluice.engine.distributed.parallel_state import (
+    SINGLE,
+    TPGroup,
+    check_tensor_parallel,
+    init_tensor_parallel,
+)
+from sluice.engine.distributed.workers import TPWorkers
 from sluice.engine.kv_cache_manager import KVCacheManager
-from sluice.engine.loader import load_model
+from sluice.engine.loader import read_hf_config
 from sluice.engine.lora.layers import LoRAContext
 from sluice.engine.lora.manager import LoRAManager
 from sluice.engine.lora.peft_adapter import LoRAError
 from sluice.engine.metrics import EngineMetrics
-from sluice.engine.model_runner import ModelRunner, num_kv_blocks
+from sluice.engine.model_setup import (
+    build_model_runner,
+    resolve_device,
+    resolve_dtype,
+    uses_triton,
+)
 from sluice.engine.output_processor import OutputState
 from sluice.engine.outputs import RequestOutput
 from sluice.engine.request import Request
@@ -37,66 +46,35 @@ class UnknownModelError(ValueError):
     """The request names a model (LoRA adapter) this engine does not serve."""
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bfloat16 on GPUs and on CPUs with native bf16 instructions (measured 2.6x faster
-    prefill and 1.7x faster decode than float32, docs/benchmarks.md); float32 elsewhere."""
-    if name == "auto":
-        native_bf16 = device.type == "cuda" or _cpu_has_bf16()
-        return torch.bfloat16 if native_bf16 else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-def _cpu_has_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None, record_kv_events: bool = False,
                  weights=None):
+        """Tensor-parallel (config.parallel): this engine is rank 0 and starts the other
+        ranks' processes; `close()` stops them."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
-        choice = config.attention_backend
-        use_triton = choice == "triton" or (choice == "auto" and self.device.type == "cuda")
-        backend = TorchAttentionBackend()
-        if choice == "cpu" and self.device.type != "cpu":
-            raise ValueError(f"--attention-backend cpu runs on the CPU, not {self.device}")
-        if choice == "cpu" or (choice == "auto" and self.device.type == "cpu"):
-            backend = self._cpu_backend(required=choice == "cpu")
-        if use_triton:  # Triton paged attention; imported lazily (CPU installs need no Triton)
-            from sluice.engine.attention.triton_backend import TritonAttentionBackend
-
-            backend = TritonAttentionBackend()
         lora_ctx = None if config.lora is None else LoRAContext(
             config.lora.max_loras, config.lora.max_lora_rank, self.device)
-        self.model = load_model(config.model, config.load_format, backend,
-                                self.dtype, self.device, config.seed, weights, lora_ctx)
+        self.tp, self.workers = self._start_tensor_parallel()
+        self.runner = build_model_runner(config, self.device, self.dtype, self.tp,
+                                         self.workers, weights, lora_ctx)
+        self.model = self.runner.model
         mcfg = self.model.config
         cache = config.cache
-        num_blocks = num_kv_blocks(mcfg, cache, self.dtype, self.device, self._step_peak())
+        num_blocks = self.runner.num_blocks
         limit = config.scheduler.max_model_len or mcfg.max_position_embeddings
         self.max_model_len = min(limit, num_blocks * cache.block_size)
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
                                  record_kv_events)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        self.runner = ModelRunner(self.model, num_blocks, cache.block_size, self.device, self.dtype)
         self.lora = None if lora_ctx is None else LoRAManager(config.lora, self.model, self.dtype)
         self.scheduler.lora = self.lora
-        # (decode graphs would hold one step's adapter mapping: LoRA runs eager)
-        if (use_triton and self.device.type == "cuda" and not config.enforce_eager
-                and self.lora is None):
+        # (decode graphs would hold one step's adapter mapping: LoRA runs eager; a graph
+        # of a tensor-parallel step would hold its collectives: those run eager too)
+        if (uses_triton(config, self.device) and self.device.type == "cuda"
+                and not config.enforce_eager and self.lora is None and self.workers is None):
             self.runner.enable_decode_graphs(config.scheduler.max_num_seqs, self.max_model_len,
                                              capture=True)
         self.tokenizer = tokenizer
@@ -112,6 +90,25 @@ class LLMEngine:
         self.kv_connector = self._make_kv_connector()
         log.info("KV cache: %d blocks of %d tokens (%s, %s); max_model_len %d", num_blocks,
                  cache.block_size, self.dtype, self.device, self.max_model_len)
+
+    def _start_tensor_parallel(self) -> tuple[TPGroup, TPWorkers | None]:
+        """Check the model splits, start ranks 1 .. N-1, and join their group as rank 0."""
+        n = self.config.parallel.tensor_parallel_size
+        if n == 1:
+            return SINGLE, None
+        mcfg = ModelConfig.from_hf(read_hf_config(self.config.model, self.config.load_format))
+        check_tensor_parallel(mcfg.num_attention_heads, mcfg.num_key_value_heads,
+                              mcfg.intermediate_size, n)
+        workers = TPWorkers(self.config, torch.get_num_threads())
+        log.info("tensor parallel: %d ranks (rank 0 here, workers %s)", n,
+                 [p.pid for p in workers.procs])
+        return init_tensor_parallel(0, n, workers.init_method, self.device), workers
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (an engine of one rank holds none)."""
+        if self.workers is not None:
+            self.workers.close(self.tp)
+            self.workers = None
 
     def _make_kv_connector(self):
         """Disaggregated prefill/decode (kv_transfer/): the connector the scheduler calls."""
@@ -156,26 +153,6 @@ class LLMEngine:
         assert req.is_finished or req.num_computed_tokens == req.num_tokens - 1, "in decode"
         self.metrics.on_token(req, now, n)
         return tokens[:n], None if logprobs[0] is None else logprobs[:n]
-
-    @staticmethod
-    def _cpu_backend(required: bool) -> TorchAttentionBackend:
-        ops = kernels.ops()
-        if ops is None and required:
-            raise RuntimeError("--attention-backend cpu: the CPU kernels are not installed "
-                               "(sluice.engine._C; log above)")
-        return TorchAttentionBackend() if ops is None else CpuAttentionBackend(ops)
-
-    def _step_peak(self) -> int:
-        """On CUDA, the activation peak of a full-budget step (measured on a scratch pool)."""
-        cfg = self.config
-        if self.device.type != "cuda" or cfg.cache.num_blocks is not None:
-            return 0
-        n, bs = cfg.scheduler.max_num_batched_tokens, cfg.cache.block_size
-        probe = ModelRunner(self.model, -(-n // bs), bs, self.device, self.dtype)
-        peak = probe.profile_step_peak(n, cfg.scheduler.max_num_seqs)
-        del probe
-        torch.cuda.empty_cache()
-        return peak
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -1,7 +1,12 @@
 """Build a CausalLM from a Hugging Face folder, a GGUF file, or random weights.
 
-Weights arrive under transformers' names; q/k/v and gate/up projections are
-concatenated into the fused parameters the decoder uses.
+Weights arrive under transformers' names, one tensor at a time, and each goes to its
+module's `weight_loader` (layers/parallel_linear.py), which copies this rank's share: the
+q/k/v and gate/up parts land in their rows of the fused `qkv_proj` and `gate_up_proj`.
+Safetensors tensors arrive as slices, so a tensor-parallel rank reads its shard only; a
+GGUF tensor is dequantized whole, then sliced. Random (dummy) weights are drawn for the
+whole model in one order and sharded the same way, so every tensor-parallel size holds
+the same model.
 """
 
 from __future__ import annotations
@@ -15,15 +20,17 @@ import torch
 
 from sluice.engine.attention.backend import AttentionBackend
 from sluice.engine.config import ModelConfig
+from sluice.engine.distributed.parallel_state import SINGLE, TPGroup
 from sluice.engine.layers.linear import Linear
+from sluice.engine.layers.parallel_linear import ColumnParallelLinear, check_shape
 from sluice.engine.lora.layers import LoRAContext
 from sluice.engine.models.causal_lm import CausalLM
 from sluice.engine.models.registry import model_class
 from sluice.engine.shapes import SHAPES
 
-_FUSED = {  # fused parameter -> its parts, in order
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
+_FUSED = {  # a checkpoint module -> the fused module it is a part of
+    "q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
 }
 
 
@@ -47,25 +54,26 @@ def read_hf_config(model: str, load_format: str) -> dict:
 def load_model(model: str, load_format: str, backend: AttentionBackend, dtype: torch.dtype,
                device: torch.device, seed: int = 0,
                weights: Iterator[tuple[str, torch.Tensor]] | None = None,
-               lora: LoRAContext | None = None) -> CausalLM:
-    """Build the model (with LoRA layers given a context); `weights` (transformers names)
-    overrides the checkpoint or dummy init."""
+               lora: LoRAContext | None = None, tp: TPGroup = SINGLE) -> CausalLM:
+    """Build the model (with LoRA layers given a context; this rank's shard given a
+    tensor-parallel group); `weights` (transformers names) overrides the checkpoint or
+    dummy init."""
     hf_config = read_hf_config(model, load_format)
     cfg = ModelConfig.from_hf(hf_config)
     with torch.device(device):
-        lm = model_class(cfg.architecture)(cfg, backend, lora=lora)
+        lm = model_class(cfg.architecture)(cfg, backend, lora=lora, tp=tp)
     # Parameters take the engine dtype; rotary frequencies stay float32.
     for p in lm.parameters():
         p.data = p.data.to(dtype)
-    if weights is not None:
-        _load_weights(lm, weights)
-    elif load_format == "dummy":
-        _init_random(lm, seed)
-    elif model.endswith(".gguf"):
-        from sluice.engine.gguf_loader import load_gguf
-        _load_weights(lm, load_gguf(model)[1])
-    else:
-        _load_weights(lm, _iter_safetensors(model))
+    if weights is None:
+        if load_format == "dummy":
+            weights = _dummy_weights(cfg, backend, dtype, device, seed)
+        elif model.endswith(".gguf"):
+            from sluice.engine.gguf_loader import load_gguf
+            weights = load_gguf(model)[1]
+        else:
+            weights = _iter_safetensors(model)
+    _load_weights(lm, weights)
     # An inference engine: no parameter takes part in autograd, whatever mode a caller
     # runs the model in (an input that requires grad sends the packed linears' oneDNN op
     # through autograd's fallback: ~700x slower).
@@ -76,7 +84,8 @@ def load_model(model: str, load_format: str, backend: AttentionBackend, dtype: t
     return lm.eval()
 
 
-def _iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(folder: str) -> Iterator[tuple[str, object]]:
+    """(name, safetensors slice): a loader indexes the slice and reads that part only."""
     from safetensors import safe_open
     files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
     if not files:
@@ -84,66 +93,65 @@ def _iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     for name in files:
         with safe_open(os.path.join(folder, name), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                yield key, f.get_tensor(key)
+                yield key, f.get_slice(key)
 
 
-def _load_weights(lm: CausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+def _load_weights(lm: CausalLM, weights: Iterator[tuple[str, object]]) -> None:
+    modules = dict(lm.named_modules())
     params = dict(lm.named_parameters(remove_duplicate=False))
-    pending: dict[str, dict[str, torch.Tensor]] = {}
-    loaded: set[str] = set()
-    for name, tensor in weights:
-        if "rotary_emb" in name:
+    written: dict[str, set[str]] = {}  # parameter -> the checkpoint parts written into it
+    tied = lm.config.tie_word_embeddings
+    for name, full in weights:
+        if "rotary_emb" in name or (name == "lm_head.weight" and tied):
             continue
-        if name == "lm_head.weight" and lm.config.tie_word_embeddings:
+        module_name, _, param = name.rpartition(".")
+        owner, _, part = module_name.rpartition(".")
+        target = f"{owner}.{_FUSED[part]}" if part in _FUSED else module_name
+        if f"{target}.{param}" not in params:
+            raise ValueError(f"unexpected weight {name!r} for {lm.config.model_type}")
+        module = modules[target]
+        if hasattr(module, "weight_loader"):
+            module.weight_loader(param, full, part)
+        else:
+            dest = getattr(module, param)
+            check_shape(full, tuple(dest.shape), name)
+            with torch.no_grad():
+                dest.copy_(full[:])
+        written.setdefault(f"{target}.{param}", set()).add(part)
+    if tied:
+        written["lm_head.weight"] = {"lm_head"}
+    missing = []
+    for pname in params:
+        module = modules[pname.rpartition(".")[0]]
+        parts = written.get(pname)
+        if parts is None or (isinstance(module, ColumnParallelLinear)
+                             and parts != set(module.shards)):
+            missing.append(pname)
+    if missing:
+        raise ValueError(f"checkpoint is missing weights: {sorted(missing)}")
+
+
+def _dummy_weights(cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype,
+                   device: torch.device, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Small random weights (std 0.02, norms 1) for the whole, unsharded model, under
+    transformers' names, reproducible from the seed: drawn in the order of the
+    single-rank model's parameters (a fused one whole, then split into its parts)."""
+    with torch.device("meta"):
+        whole = model_class(cfg.architecture)(cfg, backend)
+    modules = dict(whole.named_modules())
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in whole.named_parameters():
+        t = torch.empty(p.shape, dtype=dtype, device=device)
+        if "norm" in name:
+            t.fill_(1.0)
+        else:
+            t.normal_(0.0, 0.02, generator=gen)
+        module_name, _, param = name.rpartition(".")
+        module = modules[module_name]
+        if not isinstance(module, ColumnParallelLinear) or len(module.shards) == 1:
+            yield name, t
             continue
-        fused = _fused_target(name)
-        if fused is None:
-            if name not in params:
-                raise ValueError(f"unexpected weight {name!r} for {lm.config.model_type}")
-            _copy(params[name], tensor, name)
-            loaded.add(name)
-            continue
-        target, part = fused
-        parts = pending.setdefault(target, {})
-        parts[part] = tensor
-        group = _FUSED[target.rsplit(".", 2)[-2]]
-        if len(parts) == len(group):
-            _copy(params[target], torch.cat([parts[p] for p in group], dim=0), target)
-            loaded.add(target)
-            del pending[target]
-    if lm.config.tie_word_embeddings:
-        loaded.add("lm_head.weight")
-    missing = sorted(set(params) - loaded)
-    if missing or pending:
-        raise ValueError(f"checkpoint is missing weights: {missing or sorted(pending)}")
-
-
-def _fused_target(name: str) -> tuple[str, str] | None:
-    """'model.layers.0.self_attn.k_proj.bias' -> ('model.layers.0.self_attn.qkv_proj.bias', 'k_proj')."""
-    parts = name.split(".")
-    if len(parts) < 2:
-        return None
-    for fused, group in _FUSED.items():
-        if parts[-2] in group:
-            return ".".join(parts[:-2] + [fused, parts[-1]]), parts[-2]
-    return None
-
-
-def _copy(param: torch.nn.Parameter, tensor: torch.Tensor, name: str) -> None:
-    if param.shape != tensor.shape:
-        raise ValueError(f"weight {name}: shape {tuple(tensor.shape)} != {tuple(param.shape)}")
-    with torch.no_grad():
-        param.copy_(tensor)
-
-
-def _init_random(lm: CausalLM, seed: int) -> None:
-    """Small random weights (std 0.02, norms 1), reproducible from the seed."""
-    gen = None
-    with torch.no_grad():
-        for name, p in lm.named_parameters():
-            if gen is None:
-                gen = torch.Generator(device=p.device).manual_seed(seed)
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
+        owner = module_name.rpartition(".")[0]
+        for part, shard in module.shards.items():
+            off = module.local_offsets[part]
+            yield f"{owner}.{part}.{param}", t[off:off + shard.size]

@@ -17,28 +17,36 @@ overwrites those slots.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 
 from sluice.engine.attention.backend import AttentionMetadata, kv_cache_shape
-from sluice.engine.config import CacheConfig, ModelConfig
+from sluice.engine.config import CacheConfig
 from sluice.engine.cuda_graph import DecodeGraphRunner
 from sluice.engine.lora.punica import LoRAMapping
 from sluice.engine.models.causal_lm import CausalLM
-from sluice.engine.prompt_logprobs import record_prompt_logprobs
+from sluice.engine.prompt_logprobs import plan_prompt_logprobs, record
 from sluice.engine.request import Request
 from sluice.engine.sampler import sample
 from sluice.engine.spec_decode.verify import VerifyResult, verify
+from sluice.engine.step_input import StepInput
 from sluice.engine.tensors import to_device
 
+if TYPE_CHECKING:
+    from sluice.engine.distributed.workers import TPWorkers
 
-def num_kv_blocks(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
+
+def num_kv_blocks(model: CausalLM, cache: CacheConfig, dtype: torch.dtype,
                   device: torch.device, step_peak_bytes: int = 0) -> int:
-    """Blocks that fit the budget: --kv-cache-memory on CPU; on GPU, utilization x total
-    memory minus what is in use now (weights, other processes) minus a step's activation peak."""
+    """Blocks that fit this rank's budget (each rank holds its KV heads' share of every
+    block): --kv-cache-memory on CPU; on GPU, utilization x total memory minus what is in
+    use now (weights, other processes) minus a step's activation peak."""
     if cache.num_blocks is not None:
         return cache.num_blocks
-    bytes_per_block = cache.block_size * cfg.kv_bytes_per_token(dtype.itemsize)
+    cfg = model.config
+    bytes_per_block = (cache.block_size * 2 * cfg.num_hidden_layers * model.num_kv_heads
+                       * cfg.head_dim * dtype.itemsize)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = int(total * cache.gpu_memory_utilization) - (total - free) - step_peak_bytes
@@ -54,11 +62,13 @@ def num_kv_blocks(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, workers: TPWorkers | None = None):
+        """`workers`: the other tensor-parallel ranks' processes (rank 0 drives them)."""
         cfg = model.config
         self.model, self.device, self.block_size = model, device, block_size
-        # One pre-allocated pool per layer, in the backends' shared layout.
-        shape = kv_cache_shape(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.workers, self.num_blocks = workers, num_blocks
+        # One pre-allocated pool per layer, in the backends' shared layout: this rank's heads.
+        shape = kv_cache_shape(num_blocks, block_size, model.num_kv_heads, cfg.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
                           for _ in range(cfg.num_hidden_layers)]
         self.decode_graphs: DecodeGraphRunner | None = None  # set by enable_decode_graphs
@@ -76,12 +86,27 @@ class ModelRunner:
         `lora`: the step's rows by adapter slot (lora/punica.py).
 
         Returns, per sampling request, the tokens it emits (one without drafts)."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        logit_rows: list[int] = []
+        step = self._step_input(scheduled, block_tables, sampling)
+        chunks = plan_prompt_logprobs(scheduled, step.query_start_loc)
+        step.logit_rows = [c.rows for c in chunks] + [step.logit_rows[0]]
+        if self.workers is not None:
+            self.workers.broadcast(step)
+        with self.model.lora.use(lora) if lora is not None else nullcontext():
+            *prompt_logits, logits = self.run(step)
+        for chunk, chunk_logits in zip(chunks, prompt_logits):
+            record(chunk, chunk_logits)
+        if logits is None:
+            return VerifyResult([], [], [])
+        if logits.shape[0] > len(sampling):
+            return verify(logits, sampling, [r.spec_token_ids for r in sampling])
+        result = sample(logits, sampling)
+        return VerifyResult([[t] for t in result.token_ids], [[lp] for lp in result.logprobs],
+                            [0] * len(sampling))
+
+    def _step_input(self, scheduled, block_tables, sampling) -> StepInput:
+        """The step's model inputs; logit_rows holds the sampling rows only."""
+        step = StepInput([], [], [], [0], [], block_tables, [[]])
+        logit_rows = step.logit_rows[0]
         sampling_ids = {id(r) for r in sampling}
         bs = self.block_size
         for (req, num_new), table in zip(scheduled, block_tables):
@@ -90,31 +115,31 @@ class ModelRunner:
             assert len(table) * bs >= end, "block table too short for the step"
             drafts = req.spec_token_ids
             assert not drafts or end == req.num_tokens + len(drafts), "drafts follow a decode"
-            input_ids += req.token_ids[start:end] + drafts if drafts else req.token_ids[start:end]
+            step.input_ids += (req.token_ids[start:end] + drafts if drafts
+                               else req.token_ids[start:end])
             pos = range(start, end)
-            positions += pos
-            slots += [table[p // bs] * bs + p % bs for p in pos]
-            query_start_loc.append(query_start_loc[-1] + num_new)
-            seq_lens.append(end)
+            step.positions += pos
+            step.slots += [table[p // bs] * bs + p % bs for p in pos]
+            step.query_start_loc.append(step.query_start_loc[-1] + num_new)
+            step.seq_lens.append(end)
             if id(req) in sampling_ids:
-                last = query_start_loc[-1]
+                last = step.query_start_loc[-1]
                 logit_rows += range(last - 1 - len(drafts), last)
+        return step
+
+    def run(self, step: StepInput) -> list[torch.Tensor | None]:
+        """The forward pass, then the logits of each of `step.logit_rows` (an empty set's:
+        None). Every tensor-parallel rank runs it on the same step; only rank 0 gets logits,
+        the others None."""
         graphs = self.decode_graphs
-        if (graphs is not None and len(input_ids) == len(scheduled) <= graphs.max_batch):
-            hidden = graphs.run(input_ids, positions, slots, seq_lens, block_tables)
+        if graphs is not None and step.is_decode and len(step.seq_lens) <= graphs.max_batch:
+            hidden = graphs.run(step.input_ids, step.positions, step.slots, step.seq_lens,
+                                step.block_tables)
         else:
-            with self.model.lora.use(lora) if lora is not None else nullcontext():
-                hidden = self._forward(input_ids, positions, slots, query_start_loc, seq_lens,
-                                       block_tables)
-        record_prompt_logprobs(self.model, hidden, scheduled, query_start_loc)
-        if not logit_rows:
-            return VerifyResult([], [], [])
-        logits = self.model.compute_logits(hidden[to_device(logit_rows, torch.long, self.device)])
-        if len(logit_rows) > len(sampling):
-            return verify(logits, sampling, [r.spec_token_ids for r in sampling])
-        result = sample(logits, sampling)
-        return VerifyResult([[t] for t in result.token_ids], [[lp] for lp in result.logprobs],
-                            [0] * len(sampling))
+            hidden = self._forward(step.input_ids, step.positions, step.slots,
+                                   step.query_start_loc, step.seq_lens, step.block_tables)
+        return [self.model.compute_logits(hidden[to_device(rows, torch.long, self.device)])
+                if rows else None for rows in step.logit_rows]
 
     def _forward(self, input_ids, positions, slots, query_start_loc, seq_lens, block_tables):
         meta = build_metadata(slots, query_start_loc, seq_lens, block_tables, self.device)
@@ -133,7 +158,9 @@ class ModelRunner:
         hidden = self._forward(list(range(num_tokens)), list(range(num_tokens)),
                                list(range(num_tokens)), [0, num_tokens], [num_tokens], [table])
         rows = hidden[-1:].expand(num_logit_rows, -1)
-        torch.softmax(self.model.compute_logits(rows), dim=-1)  # sampler-sized temporaries
+        logits = self.model.compute_logits(rows)
+        if logits is not None:  # (rank 0 of a tensor-parallel group)
+            torch.softmax(logits, dim=-1)  # sampler-sized temporaries
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device) - base
 

@@ -1,10 +1,11 @@
 """Prompt logprobs (vLLM's `prompt_logprobs`): each prompt token's logprob given the ones
 before it, its rank in the vocabulary, and the top alternatives.
 
-The model runner calls `record_prompt_logprobs` after each forward pass with the
-hidden states of every scheduled token. For a request that asks (params.prompt_logprobs
-is not None), the hidden state at prompt position p gives the distribution of prompt
-token p + 1. `req.prompt_logprobs` grows in position order: entry 0 is None (the first
+Before each forward pass the model runner asks `plan_prompt_logprobs` which rows of the
+step need prompt logprobs, and computes those rows' logits with the sampling rows' (every
+tensor-parallel rank takes part in the LM head); `record` then turns each chunk's logits
+into entries. For a request that asks (params.prompt_logprobs is not None), the hidden
+state at prompt position p gives the distribution of prompt token p + 1. `req.prompt_logprobs` grows in position order: entry 0 is None (the first
 token has no context, as in vLLM), entry p + 1 comes from position p. Positions that
 were recorded already (a preempted request recomputing its prompt) are skipped, and
 positions at or past the last prompt token are not prompt logprobs. A position the
@@ -16,6 +17,8 @@ the prefix cache (vLLM skips the cache for them too), so every entry is computed
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from sluice.engine.outputs import PromptLogprob
@@ -24,12 +27,24 @@ from sluice.engine.request import Request
 ROWS_PER_CHUNK = 256  # bounds the [rows, vocab] float32 temporaries (49k vocab: 50 MB)
 
 
-def record_prompt_logprobs(model, hidden: torch.Tensor, scheduled: list[tuple[Request, int]],
-                           query_start_loc: list[int]) -> None:
-    """Append the entries this step computed to each asking request's `prompt_logprobs`.
+@dataclass(frozen=True)
+class PromptChunk:
+    """Prompt positions [lo, hi) of `req`, at rows `rows` of the step's hidden states."""
 
-    `hidden[query_start_loc[i]:query_start_loc[i + 1]]` are scheduled[i]'s tokens,
+    req: Request
+    lo: int
+    hi: int
+    rows: list[int]
+
+
+def plan_prompt_logprobs(scheduled: list[tuple[Request, int]],
+                         query_start_loc: list[int]) -> list[PromptChunk]:
+    """The chunks of positions this step computes that each asking request has not yet
+    recorded (its entries for positions read from the prefix cache become None now).
+
+    Rows query_start_loc[i] .. query_start_loc[i + 1] are scheduled[i]'s tokens,
     positions num_computed_tokens .. + num_new (before the step's update)."""
+    chunks = []
     for i, (req, num_new) in enumerate(scheduled):
         if req.params.prompt_logprobs is None:
             continue
@@ -40,15 +55,23 @@ def record_prompt_logprobs(model, hidden: torch.Tensor, scheduled: list[tuple[Re
             req.prompt_logprobs.append(None)  # read from the prefix cache: never computed
         first = max(start, len(req.prompt_logprobs) - 1)  # next position not yet recorded
         end = min(start + num_new, req.num_prompt_tokens - 1)
+        base = query_start_loc[i] - start
         for lo in range(first, end, ROWS_PER_CHUNK):
             hi = min(lo + ROWS_PER_CHUNK, end)
-            rows = hidden[query_start_loc[i] + lo - start: query_start_loc[i] + hi - start]
-            req.prompt_logprobs += _entries(model, rows, req.prompt_token_ids[lo + 1: hi + 1],
-                                            req.params.prompt_logprobs)
+            chunks.append(PromptChunk(req, lo, hi, list(range(base + lo, base + hi))))
+    return chunks
 
 
-def _entries(model, rows: torch.Tensor, next_ids: list[int], k: int) -> list[PromptLogprob]:
-    logprobs = torch.log_softmax(model.compute_logits(rows), dim=-1)
+def record(chunk: PromptChunk, logits: torch.Tensor) -> None:
+    """Append the chunk's entries to its request's `prompt_logprobs`, in position order."""
+    req = chunk.req
+    assert len(req.prompt_logprobs) - 1 == chunk.lo, "chunks are recorded in order"
+    req.prompt_logprobs += _entries(logits, req.prompt_token_ids[chunk.lo + 1: chunk.hi + 1],
+                                    req.params.prompt_logprobs)
+
+
+def _entries(logits: torch.Tensor, next_ids: list[int], k: int) -> list[PromptLogprob]:
+    logprobs = torch.log_softmax(logits, dim=-1)
     ids = torch.tensor(next_ids, device=logprobs.device).unsqueeze(1)
     chosen = logprobs.gather(1, ids)
     ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()

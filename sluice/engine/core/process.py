@@ -100,7 +100,7 @@ def native_library_defaults(env: MutableMapping[str, str]) -> None:
 
 def run_engine_core(spec: CoreSpec) -> None:
     """Entry point of the core process."""
-    _die_with_parent()
+    die_with_parent()
     native_library_defaults(os.environ)
     logging.basicConfig(level=spec.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -138,6 +138,10 @@ class EngineCore:
         from sluice.tokenizer import Tokenizer
 
         torch.set_num_threads(spec.num_threads)
+        if spec.config.parallel.tensor_parallel_size > 1:  # rank 0: the first core group
+            from sluice.engine.distributed.worker import pin_rank_cores
+
+            pin_rank_cores(0, spec.num_threads)
         tokenizer = Tokenizer.from_path(spec.tokenizer_path) if spec.tokenizer_path else None
         self.publisher = _publisher(spec.kv_events) if spec.kv_events else None
         self.llm = LLMEngine(spec.config, tokenizer, record_kv_events=self.publisher is not None)
@@ -246,6 +250,7 @@ class EngineCore:
             self.publisher.close()
         if self.llm.lora is not None:
             self.llm.lora.close()
+        self.llm.close()
 
 
 def _drain(sock: zmq.Socket):
@@ -265,8 +270,8 @@ def _publisher(spec: KVEventsSpec):
     return KVEventPublisher(spec.endpoint, spec.replay_endpoint, spec.topic, security=security)
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGTERM this process when the API process dies, even by SIGKILL."""
+def die_with_parent() -> None:
+    """Linux: SIGTERM this process when its parent dies, even by SIGKILL."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -5,6 +5,7 @@ is the single-device engine: every collective is the identity, with no process g
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,13 @@ class TPGroup:
         dist.gather(x.contiguous(), parts, dst=0, group=self.group)
         return torch.cat(parts, dim=dim) if parts is not None else None
 
+    def all_reduce_min(self, value: int, device: torch.device) -> int:
+        """The smallest of the ranks' values, on every rank."""
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
 
     def close(self) -> None:
         """Leave the group, every rank together (gloo aborts a process that exits while
@@ -62,9 +70,33 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str,
     if world_size == 1:
         return SINGLE
     backend = "nccl" if device.type == "cuda" else "gloo"
+    # (the ranks share a pod or a machine: gloo's peers meet on loopback, not on the
+    # interface the host name resolves to)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(backend, init_method=init_method, rank=rank,
                             world_size=world_size)
     return TPGroup(rank, world_size, dist.group.WORLD)
+
+
+def check_tensor_parallel(num_heads: int, num_kv_heads: int, intermediate_size: int,
+                          size: int) -> None:
+    """ValueError, naming the sizes, unless the model splits over `size` ranks: heads and
+    the MLP evenly, KV heads evenly or replicated (size a multiple of them)."""
+    divide(num_heads, size, "the number of attention heads")
+    kv_replicas(num_kv_heads, size)
+    divide(intermediate_size, size, "the MLP's intermediate size")
+
+
+def kv_replicas(num_kv_heads: int, size: int) -> int:
+    """Ranks that hold each KV head: 1 when the heads split evenly over the ranks; with
+    fewer heads than ranks, size / heads (ValueError unless size is a multiple of them)."""
+    if num_kv_heads >= size:
+        divide(num_kv_heads, size, "the number of key/value heads")
+        return 1
+    if size % num_kv_heads:
+        raise ValueError(f"the tensor-parallel size ({size}) exceeds the number of key/value "
+                         f"heads ({num_kv_heads}) and is not a multiple of it")
+    return size // num_kv_heads
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:

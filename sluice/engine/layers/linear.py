@@ -52,11 +52,15 @@ class Linear(nn.Module):
             del self.weight  # (a tied weight lives on in the module it is tied to)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T (+ bias) by the chosen kernel."""
         if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.weight, bias)
         lead = x.shape[:-1]
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features).contiguous(),
-                                               self.packed, self.bias, "none", [], "")
+                                               self.packed, bias, "none", [], "")
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:

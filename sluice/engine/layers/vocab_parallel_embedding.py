@@ -16,19 +16,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from sluice.engine.distributed.parallel_state import TPGroup
+from sluice.engine.layers.linear import Linear
+from sluice.engine.layers.parallel_linear import check_shape
 
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup):
         super().__init__()
-        self.vocab_size, self.tp = vocab_size, tp
+        self.vocab_size, self.hidden_size, self.tp = vocab_size, hidden_size, tp
         self.per_rank = -(-vocab_size // tp.world_size)
         self.start = tp.rank * self.per_rank
         self.end = min(self.start + self.per_rank, vocab_size)
         self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden_size))
 
-    def weight_loader(self, full) -> None:
+    def weight_loader(self, param: str, full, part: str) -> None:
         """This rank's rows of the full [vocab, hidden] checkpoint tensor (or slice)."""
+        check_shape(full, (self.vocab_size, self.hidden_size), f"{part}.{param}")
         with torch.no_grad():
             self.weight[:self.end - self.start].copy_(full[self.start:self.end])
 
@@ -41,20 +44,23 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(x)
 
 
-class ParallelLMHead(nn.Module):
-    """logits = hidden W^T over the whole vocabulary, on rank 0 (None elsewhere)."""
+class ParallelLMHead(Linear):
+    """logits = hidden W^T over the whole vocabulary, on rank 0 (None elsewhere); each rank
+    runs `Linear`'s kernel over its vocabulary rows."""
 
     def __init__(self, embedding: VocabParallelEmbedding, tied: bool):
-        super().__init__()
-        self.embedding, self.tp = embedding, embedding.tp
-        self.weight = embedding.weight if tied else nn.Parameter(
-            torch.zeros_like(embedding.weight))
+        super().__init__(embedding.hidden_size, embedding.per_rank)
+        # (the embedding's range, not the module: it is the model's, not a submodule here)
+        self.vocab_size, self.start, self.end = embedding.vocab_size, embedding.start, embedding.end
+        self.tp = embedding.tp
+        if tied:
+            self.weight = embedding.weight
 
-    def weight_loader(self, full) -> None:
-        e = self.embedding
+    def weight_loader(self, param: str, full, part: str) -> None:
+        check_shape(full, (self.vocab_size, self.in_features), f"{part}.{param}")
         with torch.no_grad():
-            self.weight[:e.end - e.start].copy_(full[e.start:e.end])
+            self.weight[:self.end - self.start].copy_(full[self.start:self.end])
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = self.tp.gather(F.linear(hidden, self.weight), dim=-1)
-        return None if logits is None else logits[..., :self.embedding.vocab_size]
+        logits = self.tp.gather(self.matmul(hidden, None), dim=-1)
+        return None if logits is None else logits[..., :self.vocab_size]

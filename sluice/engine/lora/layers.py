@@ -18,7 +18,14 @@ from contextlib import contextmanager
 
 import torch
 
+from sluice.engine.distributed.parallel_state import SINGLE, TPGroup
 from sluice.engine.layers.linear import Linear
+from sluice.engine.layers.parallel_linear import (
+    ColumnParallelLinear,
+    PartShard,
+    RowParallelLinear,
+    column_shards,
+)
 from sluice.engine.lora.punica import LoRAMapping, lora_ops
 
 
@@ -41,10 +48,12 @@ class LoRAContext:
             self.mapping = None
 
 
-class LoRALinear(Linear):
+class LoRALinear(ColumnParallelLinear):
+    """A projection of one rank (adapters are served without tensor parallelism)."""
+
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool,
                  ctx: LoRAContext):
-        super().__init__(in_features, sum(parts.values()), bias)
+        super().__init__(in_features, column_shards(parts, SINGLE), bias, SINGLE)
         self.ctx = ctx
         self.part_names, self.part_sizes = tuple(parts), tuple(parts.values())
         self.part_offsets = tuple(itertools.accumulate(self.part_sizes, initial=0))[:-1]
@@ -83,10 +92,21 @@ class LoRALinear(Linear):
         return y
 
 
-def linear(in_features: int, parts: dict[str, int], bias: bool = False,
-           lora: LoRAContext | None = None) -> Linear:
-    """The projection whose output is `parts` concatenated (transformers' module names):
-    a LoRALinear when the model serves adapters, else the plain Linear."""
+def column_linear(in_features: int, shards: dict[str, PartShard], bias: bool,
+                  lora: LoRAContext | None, tp: TPGroup) -> Linear:
+    """The projection whose output is the parts `shards` names (transformers' module
+    names), concatenated: column-parallel, or a LoRALinear when the model serves adapters."""
     if lora is None:
-        return Linear(in_features, sum(parts.values()), bias)
-    return LoRALinear(in_features, parts, bias, lora)
+        return ColumnParallelLinear(in_features, shards, bias, tp)
+    assert tp.world_size == 1, "adapters are served without tensor parallelism (config)"
+    return LoRALinear(in_features, {n: s.total for n, s in shards.items()}, bias, lora)
+
+
+def row_linear(in_features: int, part: str, out_features: int, bias: bool,
+               lora: LoRAContext | None, tp: TPGroup) -> Linear:
+    """The projection `part` that takes a column-parallel layer's output: row-parallel, or
+    a LoRALinear when the model serves adapters."""
+    if lora is None:
+        return RowParallelLinear(in_features, out_features, bias, tp)
+    assert tp.world_size == 1, "adapters are served without tensor parallelism (config)"
+    return LoRALinear(in_features, {part: out_features}, bias, lora)

@@ -3,6 +3,9 @@ of the family's decoder layers, a final RMSNorm, and an LM head (tied to the emb
 where the config says so). Parameter names follow transformers', except that q/k/v and
 gate/up are fused (`qkv_proj`, `gate_up_proj`); the loader concatenates them. Built with a
 `LoRAContext`, the projections a PEFT adapter may target are LoRA layers (lora/layers.py).
+Built with a tensor-parallel group of N ranks, each rank's model holds its shard (a 1/N
+slice of the vocabulary, of every layer's heads and of the MLP) and `compute_logits`
+returns the whole vocabulary's logits on rank 0, None on the others.
 """
 
 from __future__ import annotations
@@ -14,18 +17,20 @@ from torch import nn
 
 from sluice.engine.attention.backend import AttentionBackend, AttentionMetadata
 from sluice.engine.config import ModelConfig
+from sluice.engine.distributed.parallel_state import SINGLE, TPGroup
 from sluice.engine.layers.layernorm import RMSNorm
-from sluice.engine.layers.linear import Linear
+from sluice.engine.layers.parallel_linear import kv_heads_per_rank
 from sluice.engine.layers.rotary_embedding import RotaryEmbedding
+from sluice.engine.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from sluice.engine.lora.layers import LoRAContext
 
 
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
-                 layer_cls: type[nn.Module], lora: LoRAContext | None):
+                 layer_cls: type[nn.Module], lora: LoRAContext | None, tp: TPGroup):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(layer_cls(cfg, backend, lora)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(layer_cls(cfg, backend, lora, tp)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, dict(cfg.rope_scaling))
@@ -34,21 +39,19 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     """forward: flat tokens of one step -> final hidden states; compute_logits on chosen rows.
 
-    A family sets `layer_cls`, its decoder layer: `layer_cls(cfg, backend, lora)`, called as
-    `layer(cos_sin, x, kv_cache, meta) -> x`."""
+    A family sets `layer_cls`, its decoder layer: `layer_cls(cfg, backend, lora, tp)`,
+    called as `layer(cos_sin, x, kv_cache, meta) -> x`."""
 
     layer_cls: ClassVar[type[nn.Module]]
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
-                 lora: LoRAContext | None = None):
+                 lora: LoRAContext | None = None, tp: TPGroup = SINGLE):
         super().__init__()
         self.config = cfg
         self.attn_backend = backend
-        self.lora = lora
-        self.model = DecoderModel(cfg, backend, self.layer_cls, lora)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lora, self.tp = lora, tp
+        self.model = DecoderModel(cfg, backend, self.layer_cls, lora, tp)
+        self.lm_head = ParallelLMHead(self.model.embed_tokens, cfg.tie_word_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -58,5 +61,11 @@ class CausalLM(nn.Module):
             x = layer(cos_sin, x, kv_cache, meta)
         return self.model.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this rank's cache holds."""
+        return kv_heads_per_rank(self.config.num_key_value_heads, self.tp.world_size)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = self.lm_head(hidden)
+        return None if logits is None else logits.float()

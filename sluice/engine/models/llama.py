@@ -1,6 +1,10 @@
 """Llama (and Mistral, the same shape; sliding windows are refused by the config): pre-norm
 decoder layers of grouped-query attention with rotary embeddings and a SwiGLU MLP.
-`attention_bias` in the config puts a bias on q/k/v."""
+`attention_bias` in the config puts a bias on q/k/v.
+
+Under tensor parallelism (`tp`) each rank holds whole heads: q/k/v and gate/up are
+column-parallel, o and down row-parallel, one all-reduce each (layers/parallel_linear.py).
+"""
 
 from __future__ import annotations
 
@@ -9,11 +13,13 @@ from torch import nn
 
 from sluice.engine.attention.backend import AttentionBackend, AttentionMetadata
 from sluice.engine.config import ModelConfig
+from sluice.engine.distributed.parallel_state import SINGLE, TPGroup
 from sluice.engine.layers.activation import SiluAndMul
 from sluice.engine.layers.attention import Attention
 from sluice.engine.layers.layernorm import RMSNorm
+from sluice.engine.layers.parallel_linear import column_shards, kv_heads_per_rank, qkv_shards
 from sluice.engine.layers.rotary_embedding import RotaryEmbedding
-from sluice.engine.lora.layers import LoRAContext, linear
+from sluice.engine.lora.layers import LoRAContext, column_linear, row_linear
 from sluice.engine.models.causal_lm import CausalLM
 
 
@@ -21,16 +27,19 @@ class LlamaAttention(nn.Module):
     qkv_bias: bool | None = None  # a family's fixed choice; None: the config's attention_bias
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
-                 lora: LoRAContext | None = None):
+                 lora: LoRAContext | None = None, tp: TPGroup = SINGLE):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
+        n, head_dim = tp.world_size, cfg.head_dim
+        shards = qkv_shards(cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, tp)
+        self.num_heads = cfg.num_attention_heads // n  # this rank's
+        self.num_kv_heads = kv_heads_per_rank(cfg.num_key_value_heads, n)
+        self.head_dim = head_dim
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
         bias = cfg.attention_bias if self.qkv_bias is None else self.qkv_bias
-        self.qkv_proj = linear(cfg.hidden_size, {"q_proj": self.q_size, "k_proj": self.kv_size,
-                                                 "v_proj": self.kv_size}, bias, lora)
-        self.o_proj = linear(self.q_size, {"o_proj": cfg.hidden_size}, False, lora)
+        self.qkv_proj = column_linear(cfg.hidden_size, shards, bias, lora, tp)
+        self.o_proj = row_linear(cfg.num_attention_heads * head_dim, "o_proj", cfg.hidden_size,
+                                 False, lora, tp)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
 
     def forward(self, cos_sin, x: torch.Tensor, kv_cache: torch.Tensor,
@@ -52,12 +61,14 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
 
-    def __init__(self, cfg: ModelConfig, lora: LoRAContext | None = None):
+    def __init__(self, cfg: ModelConfig, lora: LoRAContext | None = None,
+                 tp: TPGroup = SINGLE):
         super().__init__()
         f = cfg.intermediate_size
-        self.gate_up_proj = linear(cfg.hidden_size, {"gate_proj": f, "up_proj": f}, False, lora)
+        self.gate_up_proj = column_linear(
+            cfg.hidden_size, column_shards({"gate_proj": f, "up_proj": f}, tp), False, lora, tp)
         self.act_fn = SiluAndMul()
-        self.down_proj = linear(f, {"down_proj": cfg.hidden_size}, False, lora)
+        self.down_proj = row_linear(f, "down_proj", cfg.hidden_size, False, lora, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -67,12 +78,12 @@ class LlamaDecoderLayer(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
-                 lora: LoRAContext | None = None):
+                 lora: LoRAContext | None = None, tp: TPGroup = SINGLE):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = self.attention_cls(cfg, backend, lora)
+        self.self_attn = self.attention_cls(cfg, backend, lora, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg, lora)
+        self.mlp = LlamaMLP(cfg, lora, tp)
 
     def forward(self, cos_sin, x, kv_cache, meta):
         x = x + self.self_attn(cos_sin, self.input_layernorm(x), kv_cache, meta)

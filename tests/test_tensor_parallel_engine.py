@@ -1,0 +1,172 @@
+"""Tensor parallelism end to end: an engine whose model is split over N ranks (worker
+processes in a gloo group, CPU) emits the same tokens as one rank, holds 1/N of the
+weights per rank, refuses a model that does not split, and ends when a worker dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from sluice.default_model import resolve_default_model
+from sluice.engine.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from sluice.engine.llm_engine import LLMEngine
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.spec_decode.config import SpeculativeConfig
+from tests.engine_server import EngineProcess
+from tests.test_engine_core import _core_of, _gone
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [40, 41, 42], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7] * 3]
+
+
+def _config(model: str, tp: int, **kw) -> EngineConfig:
+    kw.setdefault("cache", CacheConfig(num_blocks=64, block_size=4))
+    return EngineConfig(model=model, served_model_name="m", dtype="float32",
+                        load_format=kw.pop("load_format", "dummy"),
+                        parallel=ParallelConfig(tp), **kw)
+
+
+def _generate(config: EngineConfig, prompts, params=GREEDY, inspect=None):
+    engine = LLMEngine(config)
+    try:
+        out = engine.generate(prompts, params)
+        return out if inspect is None else (out, inspect(engine))
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+def test_two_ranks_emit_what_one_rank_emits(model):
+    """tiny-qwen3 has one KV head: both ranks hold it (replicated, vLLM's rule)."""
+    assert _generate(_config(model, 2), PROMPTS) == _generate(_config(model, 1), PROMPTS)
+
+
+def test_the_default_model_over_three_ranks_emits_what_one_rank_emits():
+    """SmolLM2-135M has 9 heads and 3 KV heads: it splits over 3 ranks, not 2."""
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 2683, 314, 216, 34, 1232, 216, 34]]
+    one, three = (_config(resolve_default_model(), n, load_format="auto") for n in (1, 3))
+    assert _generate(three, prompts) == _generate(one, prompts)
+
+
+def test_busy_steps_chunked_prefill_prefix_hits_and_preemption_match_one_rank():
+    """Twelve requests sharing a prefix in a pool too small for all of them, prefills split
+    over steps: the ranks meet in every kind of step the scheduler makes."""
+    prefix = list(range(100, 140))
+    prompts = [prefix + [i, i + 1, i + 2] for i in range(12)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    def stats(engine):
+        m = engine.metrics
+        return (m.preemptions._value.get(), m.prefix_hits._value.get())
+
+    def config(tp):
+        return _config("tiny-llama", tp, cache=CacheConfig(num_blocks=40, block_size=4),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=32))
+
+    one, (preempted, hits) = _generate(config(1), prompts, params, stats)
+    two, stats_two = _generate(config(2), prompts, params, stats)
+    assert preempted > 0 and hits > 0, "the workload preempts and hits the prefix cache"
+    assert two == one and stats_two == (preempted, hits)
+
+
+def test_ngram_speculation_over_two_ranks_emits_the_plain_tokens():
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2,
+                             prompt_lookup_max=3)
+    plain = _generate(_config("tiny-llama", 1), PROMPTS)
+    assert _generate(_config("tiny-llama", 2, speculative=spec), PROMPTS) == plain
+
+
+def test_each_rank_holds_its_share_of_the_weights():
+    def param_bytes(tp):
+        engine = LLMEngine(_config("tiny-llama", tp))
+        try:
+            norms = sum(p.numel() * p.element_size() for name, p in
+                        engine.model.named_parameters() if "norm" in name)
+            return sum(t.numel() * t.element_size() for t in _weights(engine.model)), norms
+        finally:
+            engine.close()
+
+    (whole, norms), (shard, norms_too) = param_bytes(1), param_bytes(2)
+    assert norms == norms_too > 0, "the norms are replicated"
+    assert shard == (whole - norms) // 2 + norms
+
+
+def _weights(model):
+    """The model's weight tensors, once each (a packed linear's lives outside its
+    parameters)."""
+    seen = {}
+    for module in model.modules():
+        for t in [*module.parameters(recurse=False), getattr(module, "packed", None)]:
+            if t is not None:
+                seen[id(t)] = t
+    return seen.values()
+
+
+def test_a_model_that_does_not_split_is_refused_before_any_worker_starts():
+    with pytest.raises(ValueError, match=r"number of attention heads \(9\) is not divisible "
+                                         r"by the tensor-parallel size \(2\)"):
+        LLMEngine(_config(resolve_default_model(), 2, load_format="auto"))
+
+
+@pytest.mark.parametrize("extra", [
+    {"speculative": SpeculativeConfig(method="early_exit", num_speculative_tokens=2,
+                                      num_layers=1)},
+])
+def test_what_tensor_parallelism_does_not_serve_is_refused(extra):
+    with pytest.raises(ValueError, match="not supported with --tensor-parallel-size > 1"):
+        _config("tiny-llama", 2, **extra)
+
+
+def test_a_dead_worker_ends_the_engine_with_exit_code_1(tmp_path):
+    engine = EngineProcess("--model", "tiny-llama", "--load-format", "dummy",
+                           "--num-kv-blocks", "64", "--tensor-parallel-size", "2",
+                           "--num-threads", "1", log_path=tmp_path / "engine.log").wait_ready()
+    try:
+        core = _core_of(engine.proc.pid)
+        workers = _workers_of(core)
+        assert len(workers) == 1, "one worker: rank 1"
+        started = time.monotonic()
+        os.kill(workers[0], signal.SIGKILL)
+        assert engine.proc.wait(timeout=30) == 1
+        assert time.monotonic() - started < 10
+        assert _gone(core, 5)
+        log = (tmp_path / "engine.log").read_text()
+        assert "tensor-parallel worker rank 1" in log and "exited with code -9" in log
+    finally:
+        engine.stop()
+
+
+def test_a_worker_dies_with_its_engine(tmp_path):
+    engine = EngineProcess("--model", "tiny-llama", "--load-format", "dummy",
+                           "--num-kv-blocks", "64", "--tensor-parallel-size", "2",
+                           "--num-threads", "1", log_path=tmp_path / "engine.log").wait_ready()
+    try:
+        core = _core_of(engine.proc.pid)
+        workers = _workers_of(core)
+        assert len(workers) == 1, "one worker: rank 1"
+        engine.proc.kill()
+        engine.proc.wait()
+        assert _gone(core, 15) and _gone(workers[0], 15)
+    finally:
+        engine.stop()
+
+
+def _workers_of(core: int) -> list[int]:
+    with open(f"/proc/{core}/task/{core}/children") as f:
+        children = [int(pid) for pid in f.read().split()]
+    return [pid for pid in children
+            if b"sluice.engine.distributed.worker" in open(f"/proc/{pid}/cmdline", "rb").read()]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_per_rank():
+    """Each rank one thread: the ranks share this machine's cores (workers take rank 0's
+    thread count)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
