@@ -4,6 +4,7 @@ weights per rank, refuses a model that does not split, and ends when a worker di
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -50,6 +51,50 @@ def test_the_default_model_over_three_ranks_emits_what_one_rank_emits():
     prompts = [[1, 504, 3458, 282, 4649, 314], [1, 2683, 314, 216, 34, 1232, 216, 34]]
     one, three = (_config(resolve_default_model(), n, load_format="auto") for n in (1, 3))
     assert _generate(three, prompts) == _generate(one, prompts)
+
+
+def test_structured_outputs_and_prompt_logprobs_over_two_ranks(tiny_chat_model):
+    """A safetensors folder (each rank reads its slices) with a real tokenizer: grammars
+    mask rank 0's logits, and prompt logprobs come from the ranks' gathered LM head."""
+    pytest.importorskip("xgrammar")
+    from sluice.engine.structured_output.params import StructuredOutputsParams
+    from sluice.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_path(str(tiny_chat_model))
+    schema = {"type": "object", "properties": {"tag": {"enum": ["red", "green"]}},
+              "required": ["tag"]}
+    params = [SamplingParams(max_tokens=20, temperature=0.0, prompt_logprobs=2),
+              SamplingParams(max_tokens=20, temperature=0.0, structured_outputs=(
+                  StructuredOutputsParams(json=json.dumps(schema)))),
+              SamplingParams(max_tokens=12, temperature=0.0, structured_outputs=(
+                  StructuredOutputsParams(regex="(ab|cd){2,5}")))]
+    prompts = [tok.encode("Name a colour, in JSON:")] * 3
+
+    def run(tp):
+        engine = LLMEngine(_config(str(tiny_chat_model), tp, load_format="auto"), tok)
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                engine.add_request(f"r{i}", p, sp)
+            out = {f"r{i}": [[], None] for i in range(3)}
+            while engine.has_unfinished():
+                for o in engine.step():
+                    out[o.request_id][0] += o.new_token_ids
+                    if o.prompt_logprobs is not None:
+                        out[o.request_id][1] = o.prompt_logprobs
+            return out
+        finally:
+            engine.close()
+
+    one, two = run(1), run(2)
+    assert {r: tokens for r, (tokens, _) in two.items()} == {
+        r: tokens for r, (tokens, _) in one.items()}
+    # (the all-reduces sum in another order: float32 rounding, not another distribution)
+    for a, b in zip(one["r0"][1][1:], two["r0"][1][1:]):
+        assert (a.token_id, a.rank, [t for t, _ in a.top]) == (b.token_id, b.rank,
+                                                               [t for t, _ in b.top])
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    assert json.loads(tok.decode(one["r1"][0]))["tag"] in ("red", "green")
+    assert one["r0"][1] is not None and len(one["r0"][1]) == len(prompts[0])
 
 
 def test_busy_steps_chunked_prefill_prefix_hits_and_preemption_match_one_rank():
