@@ -144,7 +144,6 @@ class EngineConfig:
         if self.parallel.tensor_parallel_size == 1:
             return
         refused = {"--enable-lora": self.lora is not None,
-                   "--kv-transfer-config": self.kv_transfer is not None,
                    "--speculative-config with method early_exit": (
                        self.speculative is not None and self.speculative.method == "early_exit")}
         for flag, given in refused.items():

@@ -116,8 +116,15 @@ class LLMEngine:
             return None
         from sluice.engine.kv_transfer.connector import make_connector
 
+        sharded = None
+        if self.workers is not None:
+            from sluice.engine.distributed.kv_shards import ShardedKVBlocks
+
+            sharded = ShardedKVBlocks(self.runner.kv_caches, self.tp, self.workers,
+                                      self.model.config.num_key_value_heads)
         connector = make_connector(self.config.kv_transfer, self.kv, self.runner.kv_caches,
-                                   self.metrics.registry, self.config.served_model_name)
+                                   self.metrics.registry, self.config.served_model_name,
+                                   sharded)
         self.scheduler.kv_connector = connector
         return connector
 

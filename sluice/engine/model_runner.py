@@ -24,13 +24,13 @@ import torch
 from sluice.engine.attention.backend import AttentionMetadata, kv_cache_shape
 from sluice.engine.config import CacheConfig
 from sluice.engine.cuda_graph import DecodeGraphRunner
+from sluice.engine.distributed.messages import StepInput
 from sluice.engine.lora.punica import LoRAMapping
 from sluice.engine.models.causal_lm import CausalLM
 from sluice.engine.prompt_logprobs import plan_prompt_logprobs, record
 from sluice.engine.request import Request
 from sluice.engine.sampler import sample
 from sluice.engine.spec_decode.verify import VerifyResult, verify
-from sluice.engine.step_input import StepInput
 from sluice.engine.tensors import to_device
 
 if TYPE_CHECKING:

@@ -45,9 +45,10 @@ def run_worker(spec: WorkerSpec) -> None:
     import torch
     import zmq
 
+    from sluice.engine.distributed.kv_shards import gather_blocks, scatter_blocks
+    from sluice.engine.distributed.messages import GatherKV, ScatterKV, StepInput, decoder
     from sluice.engine.distributed.parallel_state import init_tensor_parallel
     from sluice.engine.model_setup import build_model_runner, resolve_device, resolve_dtype
-    from sluice.engine.step_input import decoder
 
     cfg = spec.config
     ctx = zmq.Context()
@@ -62,9 +63,16 @@ def run_worker(spec: WorkerSpec) -> None:
     tp = init_tensor_parallel(spec.rank, spec.world_size, spec.init_method, device)
     runner = build_model_runner(cfg, device, resolve_dtype(cfg.dtype, device), tp)
     log.info("tensor-parallel rank %d of %d ready on %s", spec.rank, spec.world_size, device)
+    heads = runner.model.config.num_key_value_heads
+    handlers = {
+        StepInput: runner.run,
+        GatherKV: lambda m: gather_blocks(runner.kv_caches, m.block_ids, tp, heads),
+        ScatterKV: lambda m: scatter_blocks(runner.kv_caches, m.block_ids, None, tp, heads),
+    }
     with torch.inference_mode():
         while msg := steps.recv():
-            runner.run(decoder.decode(msg))
+            m = decoder.decode(msg)
+            handlers[type(m)](m)
     tp.close()
     steps.close(linger=0)
     ctx.term()

@@ -4,7 +4,7 @@ worker in the engine's process, so sampling never leaves it.
 
 - Start: rank 0 spawns the workers; every rank joins the group (a file rendezvous in a
   private directory) and loads its own shard while the others load theirs.
-- Each step: rank 0 publishes the step's inputs (step_input.py) on a ZMQ XPUB socket over
+- Each step: rank 0 publishes the step's inputs (messages.py) on a ZMQ XPUB socket over
   IPC in that directory; every worker runs the model on them, meeting rank 0 in the
   layers' all-reduces and the LM head's gather; rank 0 samples. The first publish waits
   until every worker has subscribed, so no worker misses a step.
@@ -31,9 +31,9 @@ from collections.abc import Callable
 import zmq
 
 from sluice.engine.config import EngineConfig
+from sluice.engine.distributed.messages import GatherKV, ScatterKV, StepInput, encoder
 from sluice.engine.distributed.parallel_state import TPGroup
 from sluice.engine.distributed.worker import WorkerSpec
-from sluice.engine.step_input import StepInput, encoder
 
 log = logging.getLogger("sluice.engine.tp")
 
@@ -79,10 +79,10 @@ class TPWorkers:
             threading.Thread(target=self._watch, args=(rank, p), name=f"tp-monitor-{rank}",
                              daemon=True).start()
 
-    def broadcast(self, step: StepInput) -> None:
+    def broadcast(self, msg: StepInput | GatherKV | ScatterKV) -> None:
         if not self._subscribed:
             self._wait_subscribed()
-        self.pub.send(encoder.encode(step))
+        self.pub.send(encoder.encode(msg))
 
     def close(self, tp: TPGroup) -> None:
         """Stop the workers: they leave the group `tp` together with rank 0, and exit."""

@@ -55,9 +55,11 @@ class KVConnector(Protocol):
     def close(self) -> None: ...
 
 
-def make_connector(config: KVTransferConfig, kv, kv_caches, registry, model_name: str
-                   ) -> KVConnector:
-    """The connector `config.kv_connector` names (config.py lists them)."""
+def make_connector(config: KVTransferConfig, kv, kv_caches, registry, model_name: str,
+                   sharded=None) -> KVConnector:
+    """The connector `config.kv_connector` names (config.py lists them); `sharded`: a
+    tensor-parallel engine's whole-headed view of its ranks' caches
+    (distributed/kv_shards.py), None on one rank."""
     from sluice.engine.kv_transfer.tcp_connector import TcpConnector
 
-    return TcpConnector(config, kv, kv_caches, registry, model_name)
+    return TcpConnector(config, kv, kv_caches, registry, model_name, sharded)

@@ -10,6 +10,12 @@ again: its logits give the first token, as vLLM does), then runs as if it had co
 them. A failed pull (prefill engine gone, timeout, refusal, layout mismatch) leaves the
 request with its local hits: it prefills the rest itself, and the fallback is counted.
 
+Tensor parallelism (`sharded`, distributed/kv_shards.py): each rank's cache holds its
+share of the heads, and the wire carries them all. A hold gathers its blocks whole-headed
+on rank 0 when it is made, and the server sends from that copy; a pulled reply is staged,
+and scattered over the ranks on the core thread when the load is taken. Either side's
+tensor-parallel size may differ from the other's.
+
 Threads: `_holds` is shared with the BlockServer thread and guarded by `_lock`;
 everything else is the core thread's.
 """
@@ -22,12 +28,18 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
 
 from sluice.engine.kv_transfer.config import KVTransferConfig
 from sluice.engine.kv_transfer.metrics import KVTransferMetrics
 from sluice.engine.kv_transfer.params import KVTransferParams
-from sluice.engine.kv_transfer.tcp_transport import BlockPuller, BlockServer, PullJob
+from sluice.engine.kv_transfer.tcp_transport import BlockPuller, BlockServer, Layout, PullJob
 from sluice.engine.request import Request
+
+if TYPE_CHECKING:
+    from sluice.engine.distributed.kv_shards import ShardedKVBlocks
 
 log = logging.getLogger("sluice.engine.kv_transfer")
 _IDLE_WAIT_S = 0.005  # an idle scheduler waits this long for a load to end
@@ -40,6 +52,8 @@ class _Hold:
     num_blocks: int  # all the request's blocks, freed with the hold
     deadline: float
     state: str = "held"  # held -> sending -> pulled; or refused; or expired
+    gathered: torch.Tensor | None = None  # (TP) the prompt's blocks whole-headed, in order
+    order: tuple[int, ...] = ()  # (TP) their block ids
 
 
 def advertised_host(cfg: KVTransferConfig) -> str:
@@ -55,8 +69,9 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 
 class TcpConnector:
-    def __init__(self, config: KVTransferConfig, kv, kv_caches, registry, model_name: str):
-        self.config, self.kv = config, kv
+    def __init__(self, config: KVTransferConfig, kv, kv_caches, registry, model_name: str,
+                 sharded: ShardedKVBlocks | None = None):
+        self.config, self.kv, self.sharded = config, kv, sharded
         self.metrics = KVTransferMetrics(registry, model_name)
         self._lock = threading.Lock()
         self._holds: dict[str, _Hold] = {}
@@ -66,14 +81,18 @@ class TcpConnector:
         self._ready: list[Request] = []
         self._consumed: set[str] = set()  # consumer requests whose pull was decided
         self._output_params: dict[str, dict] = {}
+        self._pull_dst: dict[str, list[int]] = {}  # (TP) a loading request's blocks here
         self.server = self.puller = None
+        layout = None if sharded is None else Layout.of(kv_caches, sharded.num_kv_heads)
         if config.is_producer:
             self.server = BlockServer(kv_caches, config.engine_id, config.kv_ip,
                                       config.kv_port, self._begin, self._end,
-                                      config.curve_dir)
+                                      config.curve_dir, layout,
+                                      None if sharded is None else self._read_gathered)
             self.host = advertised_host(config)
         if config.is_consumer:
-            self.puller = BlockPuller(kv_caches, config.pull_timeout_s, config.curve_dir)
+            self.puller = BlockPuller(kv_caches, config.pull_timeout_s, config.curve_dir,
+                                      layout, stage=sharded is not None)
 
     # -- consumer: loads ----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, req: Request, num_computed_tokens: int
@@ -107,6 +126,7 @@ class TcpConnector:
         assert req.num_computed_tokens % bs == 0 and len(block_ids) == last
         self._consumed.add(req.request_id)  # one pull per request, even if preempted later
         self._loading[req.request_id] = req
+        self._pull_dst[req.request_id] = list(block_ids[first:last])
         self.puller.submit(PullJob(req.request_id, p.remote_host, p.remote_port,
                                    p.remote_engine_id, p.remote_request_id,
                                    list(p.remote_block_ids[first:last]),
@@ -129,6 +149,7 @@ class TcpConnector:
 
     def _loaded(self, result) -> None:
         req = self._loading.pop(result.request_id, None)
+        dst = self._pull_dst.pop(result.request_id, None)
         if req is None:  # a release job: nothing was loading
             return
         if result.request_id in self._cancelled:  # aborted while loading: free now
@@ -136,6 +157,8 @@ class TcpConnector:
             self.kv.free(req)
             return
         if result.error is None:
+            if result.staged is not None:
+                self.sharded.scatter(dst, result.staged)
             req.num_computed_tokens = req.num_prompt_tokens - 1
             self.kv.cache_blocks(req, req.num_computed_tokens)
             self.metrics.transferred("received", result.num_bytes, result.seconds)
@@ -170,10 +193,13 @@ class TcpConnector:
             return False, None
         needed = blocks_needed(req.num_prompt_tokens, self.kv.block_size)
         assert len(block_ids) >= needed and req.num_computed_tokens >= req.num_prompt_tokens
+        prompt_blocks = block_ids[:needed]
+        gathered = None if self.sharded is None else self.sharded.gather(prompt_blocks)
         with self._lock:
             assert rid not in self._holds, f"request {rid} held twice"
-            self._holds[rid] = _Hold(req, frozenset(block_ids[:needed]), len(block_ids),
-                                     time.monotonic() + self.config.hold_timeout_s)
+            self._holds[rid] = _Hold(req, frozenset(prompt_blocks), len(block_ids),
+                                     time.monotonic() + self.config.hold_timeout_s,
+                                     gathered=gathered, order=tuple(prompt_blocks))
         self.metrics.held.inc(len(block_ids))
         params = KVTransferParams(do_remote_prefill=True, remote_engine_id=self.config.engine_id,
                                   remote_block_ids=tuple(block_ids[:needed]),
@@ -199,6 +225,17 @@ class TcpConnector:
                 return f"blocks {sorted(set(block_ids) - hold.block_ids)} are not held"
             hold.state = "sending"
             return None
+
+    @torch.inference_mode()
+    def _read_gathered(self, request_id: str, block_ids: list[int]) -> list:
+        """BlockServer thread (TP), for blocks `_begin` pinned: each layer's frame from
+        the hold's whole-headed copy."""
+        with self._lock:
+            hold = self._holds[request_id]
+        where = {b: i for i, b in enumerate(hold.order)}
+        idx = torch.tensor([where[b] for b in block_ids], dtype=torch.long)
+        picked = hold.gathered.index_select(2, idx.to(hold.gathered.device))
+        return [layer.contiguous().view(torch.uint8).cpu().numpy() for layer in picked]
 
     def _end(self, request_id: str, num_bytes: int, seconds: float) -> None:
         """BlockServer thread: the reply is sent; the core thread frees the blocks."""

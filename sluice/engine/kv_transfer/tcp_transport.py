@@ -43,9 +43,12 @@ class Layout(msgspec.Struct, frozen=True, array_like=True):
     dtype: str
 
     @classmethod
-    def of(cls, kv_caches: list[torch.Tensor]) -> Layout:
+    def of(cls, kv_caches: list[torch.Tensor], num_kv_heads: int | None = None) -> Layout:
+        """The caches' layout; `num_kv_heads`: the model's, where the caches hold a
+        tensor-parallel rank's share (the wire carries every head)."""
         _, _, heads, block_size, head_dim = kv_caches[0].shape
-        return cls(len(kv_caches), heads, block_size, head_dim, str(kv_caches[0].dtype))
+        return cls(len(kv_caches), num_kv_heads or heads, block_size, head_dim,
+                   str(kv_caches[0].dtype))
 
     def block_bytes(self, itemsize: int) -> int:
         """Bytes of one block in one layer (keys and values)."""
@@ -83,15 +86,20 @@ class BlockServer:
     `begin(request_id, block_ids)` (the connector's, thread-safe) returns None when the
     blocks may be read now (the hold is then pinned until `end`), else the refusal's text.
     `end(request_id)` releases the hold. The thread owns the socket; it reads kv_caches
-    only for blocks `begin` pinned, which the core thread neither frees nor writes.
+    only for blocks `begin` pinned, which the core thread neither frees nor writes; or,
+    given `read(request_id, block_ids) -> frames`, the frames that returns (a
+    tensor-parallel engine's blocks, gathered whole-headed when they were held).
     """
 
     def __init__(self, kv_caches: list[torch.Tensor], engine_id: str, bind_host: str,
                  port: int, begin: Callable[[str, list[int]], str | None],
-                 end: Callable[[str, int, float], None], curve_dir: str | None = None):
+                 end: Callable[[str, int, float], None], curve_dir: str | None = None,
+                 layout: Layout | None = None,
+                 read: Callable[[str, list[int]], list] | None = None):
         self.kv_caches, self.engine_id = kv_caches, engine_id
-        self.layout = Layout.of(kv_caches)
+        self.layout = layout or Layout.of(kv_caches)
         self._begin, self._end = begin, end
+        self._read_held = read
         self._ctx = zmq.Context()
         security = _security(curve_dir)
         self._auth = security.authenticator(self._ctx) if security else None
@@ -138,7 +146,8 @@ class BlockServer:
             return
         start, sent = time.monotonic(), 0
         try:
-            frames = self._read(req.block_ids)
+            frames = (self._read(req.block_ids) if self._read_held is None or not req.block_ids
+                      else self._read_held(req.request_id, req.block_ids))
             sent = sum(f.nbytes for f in frames)
             self._reply(ident, None, frames)
         finally:
@@ -182,6 +191,7 @@ class PullResult:
     error: str | None
     num_bytes: int = 0
     seconds: float = 0.0
+    staged: torch.Tensor | None = None  # whole-headed blocks, when the puller stages
 
 
 class BlockPuller:
@@ -189,12 +199,15 @@ class BlockPuller:
 
     The thread owns its sockets and writes only the dst blocks of the job it runs, which
     the connector keeps allocated (and unscheduled) until the job's PullResult is taken
-    from `results` (a thread-safe queue: the core thread drains it)."""
+    from `results` (a thread-safe queue: the core thread drains it). With `stage`, it
+    writes nothing: the result carries the blocks (whole-headed, [layers, 2, blocks,
+    heads, block size, head dim]) for the core thread to scatter over the ranks."""
 
     def __init__(self, kv_caches: list[torch.Tensor], timeout_s: float,
-                 curve_dir: str | None = None):
-        self.kv_caches, self.timeout_s = kv_caches, timeout_s
-        self.layout = Layout.of(kv_caches)
+                 curve_dir: str | None = None, layout: Layout | None = None,
+                 stage: bool = False):
+        self.kv_caches, self.timeout_s, self.stage = kv_caches, timeout_s, stage
+        self.layout = layout or Layout.of(kv_caches)
         self._security = _security(curve_dir)
         self._ctx = zmq.Context()
         self._jobs: queue.Queue[PullJob | None] = queue.Queue()
@@ -208,9 +221,9 @@ class BlockPuller:
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            start = time.monotonic()
+            start, staged = time.monotonic(), None
             try:
-                error, nbytes = self._pull(job), 0
+                (error, staged), nbytes = self._pull(job), 0
                 if error is None:
                     nbytes = len(job.dst_block_ids) * self.layout.num_layers * (
                         self.layout.block_bytes(self.kv_caches[0].element_size()))
@@ -218,10 +231,11 @@ class BlockPuller:
                 log.exception("KV pull for %s failed", job.request_id)
                 error, nbytes = f"KV pull failed: {exc!r}", 0
             self.results.put(PullResult(job.request_id, error, nbytes,
-                                        time.monotonic() - start))
+                                        time.monotonic() - start, staged))
 
-    def _pull(self, job: PullJob) -> str | None:
-        """Pull one job's blocks into place; the failure's text, or None."""
+    def _pull(self, job: PullJob) -> tuple[str | None, torch.Tensor | None]:
+        """Pull one job's blocks into place (or stage them): (the failure's text, or None;
+        the staged blocks)."""
         where = f"prefill engine {job.host}:{job.port}"
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -232,33 +246,38 @@ class BlockPuller:
             sock.send(_enc.encode(PullRequest(job.remote_request_id, job.src_block_ids,
                                               job.engine_id)))
             if not sock.poll(int(self.timeout_s * 1000)):
-                return f"{where} did not answer within {self.timeout_s:g}s"
+                return f"{where} did not answer within {self.timeout_s:g}s", None
             frames = sock.recv_multipart(copy=False)
         finally:
             sock.close(linger=0)
         reply = _reply_dec.decode(frames[0].bytes)
         if reply.error is not None:
-            return f"{where} refused the pull: {reply.error}"
+            return f"{where} refused the pull: {reply.error}", None
         if reply.layout != self.layout:
-            return f"{where} has KV layout {reply.layout}, this engine {self.layout}"
+            return f"{where} has KV layout {reply.layout}, this engine {self.layout}", None
         return self._write(job, frames[1:])
 
     @torch.inference_mode()
-    def _write(self, job: PullJob, frames: list) -> str | None:
+    def _write(self, job: PullJob, frames: list) -> tuple[str | None, torch.Tensor | None]:
         n = len(job.dst_block_ids)
         if not n:
-            return None
+            return None, None
         lay = self.layout
         expected = n * lay.block_bytes(self.kv_caches[0].element_size())
         if len(frames) != lay.num_layers or any(len(f.buffer) != expected for f in frames):
-            return f"malformed pull reply: expected {lay.num_layers} frames of {expected} bytes"
+            return (f"malformed pull reply: expected {lay.num_layers} frames of {expected} "
+                    "bytes"), None
+        dtype = self.kv_caches[0].dtype
+        shape = (2, n, lay.num_kv_heads, lay.block_size, lay.head_dim)
+        blocks = [torch.frombuffer(bytearray(f.buffer), dtype=torch.uint8).view(dtype)
+                  .view(shape) for f in frames]
+        if self.stage:
+            return None, torch.stack(blocks)
         idx = torch.tensor(job.dst_block_ids, dtype=torch.long,
                            device=self.kv_caches[0].device)
-        shape = (2, n, lay.num_kv_heads, lay.block_size, lay.head_dim)
-        for cache, frame in zip(self.kv_caches, frames):
-            data = torch.frombuffer(bytearray(frame.buffer), dtype=torch.uint8)
-            cache.index_copy_(1, idx, data.view(cache.dtype).view(shape).to(cache.device))
-        return None
+        for cache, data in zip(self.kv_caches, blocks):
+            cache.index_copy_(1, idx, data.to(cache.device))
+        return None, None
 
     def close(self) -> None:
         self._jobs.put(None)
