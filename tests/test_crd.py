@@ -129,6 +129,21 @@ NEGATIVE = [
      "a LoRA adapter's source must set exactly one of huggingFace, pvc, image"),
     ("spec.loras", [{"name": "sql"}], "spec.loras[0].source: Required value"),
     ("spec.loras", [_lora(f"a{i}") for i in range(65)], "must have at most 64 items"),
+    # tensor parallelism: what the sluice engine refuses with it, and what it must divide
+    ("spec.engine.tensorParallelSize", 65, "should be less than or equal to 64"),
+    ("spec.engine.tensorParallelSize", 2, "must be one of 1, 3 for the built-in default model"),
+    ("spec.engine.lora", {}, "tensorParallelSize > 1 cannot be combined with LoRA"),
+    ("spec.engine.speculative", {"method": "early_exit", "numSpeculativeTokens": 2,
+                                 "numLayers": 4}, "early_exit cannot be combined with"),
+    ("spec.engine.tensorParallelSize", 3, "cannot be combined with spec.roles"),
+    ("spec.model.shape", {"numAttentionHeads": 8, "intermediateSize": 1536},
+     "must divide spec.model.shape.numAttentionHeads"),
+    ("spec.model.shape", {"numAttentionHeads": 9, "intermediateSize": 1000},
+     "must divide spec.model.shape.intermediateSize"),
+    ("spec.model.shape", {"numAttentionHeads": 9, "numKeyValueHeads": 2,
+                          "intermediateSize": 1536}, "or be a multiple of it"),
+    ("spec.resources", {"limits": {"nvidia.com/gpu": 1}}, "nvidia.com/gpu must equal"),
+    ("spec.engine.tensorParallelSize", 3, "cpu must be at least"),
 ]
 
 # What each failing case above needs besides its own change, so that only its rule fails.
@@ -137,18 +152,31 @@ _CONTEXT = {
     "engine.speculative early_exit is only for kind sluice": {"source": {"image": {"path": "/m"}}},
     "a prefill/decode pool autoscales per role": "roles",
     "prefill/decode roles need engine kind sluice": "roles",
+    "must be one of 1, 3 for the built-in default model": "cpus",
+    "tensorParallelSize > 1 cannot be combined with LoRA": "tp",
+    "early_exit cannot be combined with": "tp",
+    "cannot be combined with spec.roles": ("roles", "cpus"),
+    "must divide spec.model.shape.numAttentionHeads": "tp",
+    "must divide spec.model.shape.intermediateSize": "tp",
+    "or be a multiple of it": "tp",
+    "nvidia.com/gpu must equal": "tp",
 }
 
 
 def _negative(path, value, message) -> dict:
     body = _with(path, value)
-    context = _CONTEXT.get(message)
-    if context == "roles":
-        del body["spec"]["replicas"]
-        body["spec"]["roles"] = {"prefill": {}, "decode": {}}
-        body["spec"]["model"]["source"] = {"image": {"path": "/m"}}
-    elif context:
-        body["spec"]["model"].update(context)
+    contexts = _CONTEXT.get(message)
+    for context in contexts if isinstance(contexts, tuple) else (contexts,):
+        if context == "roles":
+            del body["spec"]["replicas"]
+            body["spec"]["roles"] = {"prefill": {}, "decode": {}}
+            body["spec"]["model"]["source"] = {"image": {"path": "/m"}}
+        elif context in ("cpus", "tp"):  # a CPU pool with the CPUs 3 ranks need
+            body["spec"].setdefault("resources", {}).setdefault("requests", {})["cpu"] = "8"
+            if context == "tp":
+                body["spec"]["engine"].setdefault("tensorParallelSize", 3)
+        elif context:
+            body["spec"]["model"].update(context)
     return body
 
 

@@ -11,7 +11,7 @@ so a spec that passed the API server always parses.
 
 from __future__ import annotations
 
-from sluice.operator import crd_lora
+from sluice.operator import crd_lora, crd_tp
 from sluice.operator.crd_types import (
     Schema,
     cel,
@@ -107,6 +107,7 @@ def model_schema() -> Schema:
         "name": prop("string", "Served model name: what clients send as `model` (also the "
                        "pods' annotation sluice.dev/model).", minLength=1, maxLength=253),
         "source": source,
+        "shape": crd_tp.model_shape_schema(),
     }, required=["name"])
 
 
@@ -144,13 +145,15 @@ def engine_schema() -> Schema:
             "env": prop("array", "Extra environment variables.", items=env_var),
             "speculative": speculative_schema(),
             "lora": crd_lora.lora_config_schema(),
+            "tensorParallelSize": crd_tp.size_schema(),
         },
         defaulted=True,
         **rules(cel("self.kind == 'sluice' || !has(self.kvCacheMemory)",
                      "engine.kvCacheMemory is only for kind sluice"),
                  cel("self.kind == 'sluice' || !has(self.speculative) || "
                      "self.speculative.method != 'early_exit'",
-                     "engine.speculative early_exit is only for kind sluice")),
+                     "engine.speculative early_exit is only for kind sluice"),
+                 crd_tp.EARLY_EXIT_RULE),
     )
 
 
@@ -259,5 +262,6 @@ def spec_schema() -> Schema:
                 "a prefill/decode pool autoscales per role (spec.roles.<role>.autoscaling), "
                 "not with spec.autoscaling"),
             crd_lora.NAME_NOT_MODEL,
+            *crd_tp.spec_rules(),
         ),
     )

@@ -11,6 +11,7 @@ import json
 import posixpath
 
 from sluice.labels import HTTP_PORT, KV_EVENTS_PORT, KV_REPLAY_PORT, KV_TRANSFER_PORT
+from sluice.operator import tensor_parallel
 from sluice.operator.sources import HuggingFaceSource, ImageSource, PvcSource
 from sluice.operator.spec import DECODE, PREFILL, PoolSpec
 
@@ -62,7 +63,7 @@ def sluice_args(pool: PoolSpec) -> list[str]:
         args += ["--kv-cache-memory", e.kv_cache_memory]
     if not e.prefix_caching:
         args.append("--no-prefix-caching")
-    return args + list(e.args)
+    return args + tensor_parallel_args(pool) + list(e.args)
 
 
 def vllm_args(pool: PoolSpec) -> list[str]:
@@ -88,7 +89,19 @@ def vllm_args(pool: PoolSpec) -> list[str]:
         args += ["--max-model-len", str(e.max_model_len)]
     if e.gpu_memory_utilization is not None:
         args += ["--gpu-memory-utilization", str(e.gpu_memory_utilization)]
-    return args + list(e.args)
+    return args + tensor_parallel_args(pool) + list(e.args)
+
+
+def tensor_parallel_args(pool: PoolSpec) -> list[str]:
+    """`--tensor-parallel-size N` (both kinds), and on CPUs the sluice engine's per-rank
+    `--num-threads`; none for one rank. Before spec.engine.args, whose flags win."""
+    n = pool.engine.tensor_parallel_size
+    if n == 1:
+        return []
+    # (one role, `serve`: spec.py refuses prefill/decode roles with N > 1)
+    threads = tensor_parallel.num_threads(pool, pool.roles[0].resources)
+    return ["--tensor-parallel-size", str(n)] + (
+        ["--num-threads", str(threads)] if threads is not None else [])
 
 
 def kv_transfer_config(pool: PoolSpec, role: str, curve_dir: str | None = None) -> dict | None:

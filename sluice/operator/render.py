@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sluice import labels
-from sluice.operator import crd, engine_args, render_lora
+from sluice.operator import crd, engine_args, render_lora, tensor_parallel
 from sluice.operator.sources import HuggingFaceSource, PvcSource
 from sluice.operator.spec import DECODE, PREFILL, PoolSpec, RoleSpec
 
@@ -145,8 +145,9 @@ def _volumes(pool: PoolSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
             "claimName": pool.source.claim_name, "readOnly": True}})
         mounts.append({"name": "models", "mountPath": engine_args.PVC_MOUNT_DIR,
                        "readOnly": True})
-    if pool.engine.kind == "vllm":  # NCCL / torch IPC need a real /dev/shm
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+    shm = tensor_parallel.shm(pool)
+    if shm is not None:  # NCCL / torch IPC need a real /dev/shm
+        volumes.append({"name": "dshm", "emptyDir": shm})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     lora_volumes, lora_mounts = render_lora.adapter_volumes(pool)
     return volumes + lora_volumes, mounts + lora_mounts
@@ -227,7 +228,7 @@ def render_pod_template(pool: PoolSpec, role: RoleSpec, config: RenderConfig) ->
         "name": "engine", "image": image, "command": command, "args": args + curve_args,
         "env": _env(pool, config),
         "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in _ports(pool)],
-        "resources": role.resources.to_manifest(),
+        "resources": tensor_parallel.pod_resources(pool, role.resources),
         "startupProbe": _probe("/health", 10, max(1, config.startup_timeout_s // 10)),
         "readinessProbe": _probe("/health", 5, 3),
         "livenessProbe": _probe("/health", 10, 6),

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from sluice.model_shape import ModelShape
+from sluice.operator import tensor_parallel
 from sluice.operator.sources import (
     LoraAdapter,
     LoraConfig,
@@ -112,6 +114,7 @@ class EngineSpec:
     # --speculative-config as the engines take it (vLLM's JSON keys); None: no speculation
     speculative: tuple[tuple[str, Any], ...] | None = None
     lora: LoraConfig | None = None  # spec.engine.lora as given (see PoolSpec.lora)
+    tensor_parallel_size: int = 1  # ranks per engine (tensor_parallel.py)
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,7 @@ class PoolSpec:
     service_account_name: str | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
     loras: tuple[LoraAdapter, ...] = ()
+    model_shape: ModelShape | None = None  # spec.model.shape, as given
 
     @property
     def lora(self) -> LoraConfig | None:
@@ -168,7 +172,7 @@ class PoolSpec:
             roles = tuple(_role(name, roles_spec.get(name), pool_resources)
                           for name in (PREFILL, DECODE))
         cache = spec.get("modelCache") or {}
-        return cls(
+        pool = cls(
             name=meta["name"], namespace=meta.get("namespace") or "default",
             uid=meta.get("uid", ""), generation=int(meta.get("generation") or 0),
             model_name=model["name"], source=source, engine=engine, roles=roles,
@@ -185,7 +189,10 @@ class PoolSpec:
             service_account_name=spec.get("serviceAccountName"),
             labels=dict(meta.get("labels") or {}),
             loras=parse_loras(spec.get("loras"), model["name"]),
+            model_shape=tensor_parallel.parse_model_shape(model.get("shape")),
         )
+        tensor_parallel.check(pool)
+        return pool
 
     def role(self, name: str) -> RoleSpec:
         for role in self.roles:
@@ -215,6 +222,7 @@ def _engine(e: Mapping[str, Any]) -> EngineSpec:
         args=tuple(e.get("args") or ()), env=tuple(e.get("env") or ()),
         speculative=_speculative(e.get("speculative"), e.get("kind", "sluice")),
         lora=parse_lora_config(e.get("lora")),
+        tensor_parallel_size=int(e.get("tensorParallelSize", 1)),
     )
 
 
