@@ -22,8 +22,9 @@ def size_schema() -> Schema:
         "integer", "Split each engine over this many ranks in its pod (--tensor-parallel-size, "
         "both kinds): GPUs 0..N-1, or on CPUs N core groups of the sluice engine. The "
         "model's attention heads and MLP must divide by it, its key/value heads too (or it "
-        "must be a multiple of them). A GPU pool's nvidia.com/gpu must equal it; a CPU "
-        "pool's cpu request is N x --num-threads + 1 (N + 1 when none is given).",
+        "must be a multiple of them). A GPU pool's nvidia.com/gpu must equal it. A sluice "
+        "CPU pool's cpu request (at least N + 1; requested when absent) gives each rank "
+        "(cpu - 1) / N threads, one CPU being the API process's.",
         minimum=1, maximum=tp.MAX_SIZE, default=1)
 
 

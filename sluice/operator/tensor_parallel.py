@@ -29,7 +29,7 @@ from sluice.operator.sources import SpecError
 if TYPE_CHECKING:
     from sluice.operator.spec import PoolSpec, Resources
 
-MAX_SIZE = 64  # ranks in one pod; a node has 8 GPUs, a CPU node fewer than 64 core groups
+MAX_SIZE = 64  # ranks in one pod: a node's GPUs (8 on an HGX board) or its core groups
 GPU = "nvidia.com/gpu"
 # NCCL asks containers for 1 GiB of /dev/shm (Docker's default, 64 MiB, breaks its shm
 # transport), and vLLM's Kubernetes example gives a TP engine 2 GiB: 1 GiB per rank covers
