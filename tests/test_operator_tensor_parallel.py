@@ -189,12 +189,12 @@ def test_what_the_crd_refuses_the_operator_refuses_in_the_same_words(body, messa
     assert message in str(refused.value)
 
 
-def test_prefill_decode_roles_are_refused_with_more_than_one_rank():
+def test_prefill_decode_roles_take_more_than_one_rank():
+    """The engines move every KV head whatever their tensor-parallel size."""
     body = _cpu(3, {"cpu": "8"})
     del body["spec"]["replicas"]
     body["spec"]["roles"] = {"prefill": {}, "decode": {}}
-    with pytest.raises(SpecError, match="cannot be combined with spec.roles"):
-        PoolSpec.from_body(body)
+    assert PoolSpec.from_body(body).engine.tensor_parallel_size == 3
 
 
 @pytest.mark.parametrize("body", [

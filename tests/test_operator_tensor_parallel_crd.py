@@ -1,5 +1,5 @@
 """Tensor parallelism on a real kube-apiserver: the CRD's CEL rules refuse what the sluice
-engine would refuse at start (LoRA, prefill/decode roles, a size that does not split the
+engine would refuse at start (LoRA, early-exit drafts, a size that does not split the
 default model or a stated shape, a GPU count or CPU request that does not fit the ranks)
 with messages that name the fields, accept what it runs, and agree with the operator's own
 checks (`PoolSpec.from_body`) on every pool of a grid."""
@@ -82,14 +82,11 @@ def test_lora_and_more_than_one_rank_are_refused_on_the_sluice_engine(kube_plane
     assert _accepted(kube_plane, body).lora is not None
 
 
-def test_prefill_decode_roles_and_more_than_one_rank_are_refused(kube_plane):
+def test_prefill_decode_roles_with_more_than_one_rank_are_accepted(kube_plane):
     body = _cpu(3)
     del body["spec"]["replicas"]
     body["spec"]["roles"] = {"prefill": {}, "decode": {}}
-    _refused(kube_plane, body, "spec.engine.tensorParallelSize > 1 cannot be combined with "
-                               "spec.roles")
-    body["spec"]["engine"]["tensorParallelSize"] = 1
-    _accepted(kube_plane, body)
+    assert _accepted(kube_plane, body).engine.tensor_parallel_size == 3
 
 
 def test_early_exit_and_more_than_one_rank_are_refused(kube_plane):

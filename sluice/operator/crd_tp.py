@@ -68,7 +68,6 @@ def spec_rules() -> list[Schema]:
     return [
         cel(one + "self.engine.kind != 'sluice' || (!has(self.engine.lora) && "
             "(!has(self.loras) || self.loras.size() == 0))", tp.LORA),
-        cel(one + "!has(self.roles)", tp.ROLES),
         cel(one + f"has(self.model.source) || {N} in [{sizes}]", tp.DEFAULT_MODEL),
         cel(one + f"!has({SHAPE}) || {SHAPE}.numAttentionHeads % {N} == 0", tp.SHAPE_HEADS),
         cel(one + f"!has({SHAPE}) || {SHAPE}.intermediateSize % {N} == 0", tp.SHAPE_MLP),
