@@ -5,6 +5,7 @@ and per-rank threads). No cluster, no I/O."""
 from __future__ import annotations
 
 import copy
+import json
 import pathlib
 
 import pytest
@@ -189,12 +190,23 @@ def test_what_the_crd_refuses_the_operator_refuses_in_the_same_words(body, messa
     assert message in str(refused.value)
 
 
-def test_prefill_decode_roles_take_more_than_one_rank():
-    """The engines move every KV head whatever their tensor-parallel size."""
-    body = _cpu(3, {"cpu": "8"})
+def test_prefill_decode_roles_take_more_than_one_rank_with_their_own_threads():
+    """The engines move every KV head whatever their tensor-parallel size; each role's
+    ranks get the threads its own CPUs give."""
+    body = _cpu(3)
     del body["spec"]["replicas"]
-    body["spec"]["roles"] = {"prefill": {}, "decode": {}}
-    assert PoolSpec.from_body(body).engine.tensor_parallel_size == 3
+    body["spec"]["model"]["source"] = {"image": {"path": "/m"}}
+    body["spec"]["roles"] = {"prefill": {"resources": {"requests": {"cpu": "10"}}},
+                             "decode": {"resources": {"requests": {"cpu": "4"}}}}
+    threads = {}
+    for m in render_pool(PoolSpec.from_body(body)):
+        if m["kind"] == "Deployment":
+            (engine,) = [c for c in m["spec"]["template"]["spec"]["containers"]
+                         if c["name"] == "engine"]
+            role = json.loads(_flag(engine["args"], "--kv-transfer-config"))["kv_role"]
+            assert _flag(engine["args"], "--tensor-parallel-size") == "3"
+            threads[role] = _flag(engine["args"], "--num-threads")
+    assert threads == {"kv_producer": "3", "kv_consumer": "1"}
 
 
 @pytest.mark.parametrize("body", [

@@ -13,7 +13,7 @@ import posixpath
 from sluice.labels import HTTP_PORT, KV_EVENTS_PORT, KV_REPLAY_PORT, KV_TRANSFER_PORT
 from sluice.operator import tensor_parallel
 from sluice.operator.sources import HuggingFaceSource, ImageSource, PvcSource
-from sluice.operator.spec import DECODE, PREFILL, PoolSpec
+from sluice.operator.spec import DECODE, PREFILL, PoolSpec, Resources
 
 MODEL_CACHE_DIR = "/model-cache"
 PVC_MOUNT_DIR = "/models"
@@ -44,7 +44,7 @@ def model_argument(pool: PoolSpec) -> str:
     return src.repo if pool.engine.kind == "vllm" else hf_download_dir(src)
 
 
-def sluice_args(pool: PoolSpec) -> list[str]:
+def sluice_args(pool: PoolSpec, resources: Resources) -> list[str]:
     e = pool.engine
     args = [
         "engine", "--model", model_argument(pool), "--served-model-name", pool.model_name,
@@ -63,10 +63,10 @@ def sluice_args(pool: PoolSpec) -> list[str]:
         args += ["--kv-cache-memory", e.kv_cache_memory]
     if not e.prefix_caching:
         args.append("--no-prefix-caching")
-    return args + tensor_parallel_args(pool) + list(e.args)
+    return args + tensor_parallel_args(pool, resources) + list(e.args)
 
 
-def vllm_args(pool: PoolSpec) -> list[str]:
+def vllm_args(pool: PoolSpec, resources: Resources) -> list[str]:
     e = pool.engine
     kv_events = {
         "enable_kv_cache_events": True, "publisher": "zmq",
@@ -89,17 +89,17 @@ def vllm_args(pool: PoolSpec) -> list[str]:
         args += ["--max-model-len", str(e.max_model_len)]
     if e.gpu_memory_utilization is not None:
         args += ["--gpu-memory-utilization", str(e.gpu_memory_utilization)]
-    return args + tensor_parallel_args(pool) + list(e.args)
+    return args + tensor_parallel_args(pool, resources) + list(e.args)
 
 
-def tensor_parallel_args(pool: PoolSpec) -> list[str]:
+def tensor_parallel_args(pool: PoolSpec, resources: Resources) -> list[str]:
     """`--tensor-parallel-size N` (both kinds), and on CPUs the sluice engine's per-rank
-    `--num-threads`; none for one rank. Before spec.engine.args, whose flags win."""
+    `--num-threads` from the role's `resources`; none for one rank. Before
+    spec.engine.args, whose flags win."""
     n = pool.engine.tensor_parallel_size
     if n == 1:
         return []
-    # (one role, `serve`: spec.py refuses prefill/decode roles with N > 1)
-    threads = tensor_parallel.num_threads(pool, pool.roles[0].resources)
+    threads = tensor_parallel.num_threads(pool, resources)
     return ["--tensor-parallel-size", str(n)] + (
         ["--num-threads", str(threads)] if threads is not None else [])
 
@@ -125,8 +125,9 @@ def engine_command(pool: PoolSpec, role: str = "",
                    transfer_curve_dir: str | None = None) -> tuple[list[str], list[str]]:
     """(command, args) of the engine container of `role` (`kv_transfer_config`'s curve_dir:
     `transfer_curve_dir`)."""
-    command, args = ((["vllm", "serve"], vllm_args(pool)) if pool.engine.kind == "vllm"
-                     else (["sluice"], sluice_args(pool)))
+    resources = next((r for r in pool.roles if r.name == role), pool.roles[0]).resources
+    command, args = ((["vllm", "serve"], vllm_args(pool, resources))
+                     if pool.engine.kind == "vllm" else (["sluice"], sluice_args(pool, resources)))
     if pool.engine.speculative:
         args += ["--speculative-config",
                  json.dumps(dict(pool.engine.speculative), separators=(",", ":"))]
