@@ -4,7 +4,8 @@ the package is installed; everything else about the package is in pyproject.toml
 Each kernel source is compiled once per instruction-set variant of the machine's
 architecture (VARIANTS: -march levels, so one build runs on any CPU of that architecture),
 each variant's symbols suffixed by its name (csrc/isa.h); torch_bindings.cpp registers the
-torch ops and picks the best variant the CPU runs. torch's C++ headers are needed, so the
+torch ops and picks the best variant the CPU runs (shm_all_reduce.cpp, the ranks'
+shared-memory all-reduce, has one variant). torch's C++ headers are needed, so the
 kernels are built only where torch is importable at build time: `pip install
 --no-build-isolation` after torch (the Makefile and the engine image do; set
 SLUICE_BUILD_KERNELS=1 to make a missing torch an error). Without them the gateway and
@@ -75,9 +76,9 @@ def kernel_extensions() -> tuple[list, dict]:
 
     isas = " ".join(f"X({isa})" for isa in variants())
     ext = CppExtension(
-        "sluice.engine._C", [str(CSRC / "torch_bindings.cpp")],
+        "sluice.engine._C", [str(CSRC / "torch_bindings.cpp"), str(CSRC / "shm_all_reduce.cpp")],
         # rebuilt when any kernel file changes (and shipped in the sdist)
-        depends=sorted(str(p) for p in CSRC.iterdir() if p.suffix in (".c", ".h")),
+        depends=sorted(str(p) for p in CSRC.iterdir() if p.suffix in (".c", ".h", ".cpp")),
         define_macros=[("SLUICE_ISAS(X)", isas)],
         extra_compile_args=["-O2", "-fopenmp"], extra_link_args=["-fopenmp"])
     return [ext], {"build_ext": BuildKernels}

@@ -20,12 +20,37 @@ from sluice.engine.layers.vocab_parallel_embedding import ParallelLMHead, VocabP
 HIDDEN, HEADS, HEAD_DIM, INTER, VOCAB, TOKENS = 16, 4, 4, 24, 37, 5
 
 
-def check_rank(rank: int, world: int, init_file: str, kv_heads: int) -> None:
-    """One rank's checks; `init_file`: the group's rendezvous (file://)."""
+def check_rank(rank: int, world: int, init_file: str, kv_heads: int,
+               shm_path: str | None) -> None:
+    """One rank's checks; `init_file`: the group's rendezvous (file://); `shm_path`: the
+    shared-memory all-reduce's segment (None: gloo's all-reduce)."""
     torch.set_num_threads(1)
-    tp = init_tensor_parallel(rank, world, f"file://{init_file}", torch.device("cpu"))
+    tp = init_tensor_parallel(rank, world, f"file://{init_file}", torch.device("cpu"),
+                              shm_path)
+    assert (tp.shm is not None) == (shm_path is not None)
     try:
         _check(tp, rank, world, kv_heads, f"{init_file}.weights.safetensors")
+    finally:
+        tp.close()
+
+
+def check_shm_all_reduce(rank: int, world: int, init_file: str, shm_path: str) -> None:
+    """Rank r contributes (r + 1) x a seeded tensor: in rounds (larger than a slot), in
+    bfloat16 and float32, every rank gets the same bits, the rank-ordered sum."""
+    from sluice.engine.distributed.shm_all_reduce import SLOT_BYTES
+
+    tp = init_tensor_parallel(rank, world, f"file://{init_file}", torch.device("cpu"),
+                              shm_path)
+    try:
+        for dtype, numel in ((torch.float32, SLOT_BYTES // 4 * 2 + 123), (torch.bfloat16, 999)):
+            base = torch.randn(numel, generator=torch.Generator().manual_seed(7)).to(dtype)
+            got = tp.all_reduce(base * (rank + 1))
+            want = base.clone()
+            for r in range(1, world):
+                want.add_(base * (r + 1))
+            assert torch.equal(got, want), (dtype, rank)
+            everyone = tp.all_gather(got.float().unsqueeze(0), dim=0)
+            assert all(torch.equal(everyone[0], row) for row in everyone)
     finally:
         tp.close()
 

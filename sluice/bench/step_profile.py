@@ -149,6 +149,15 @@ def main(args: argparse.Namespace) -> int:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     llm = LLMEngine(engine_config(args))
+    try:
+        return _measure(llm, args)
+    finally:
+        llm.close()
+
+
+def _measure(llm, args: argparse.Namespace) -> int:
+    import torch
+
     if args.prefill_tokens:
         time_prefills(llm, args.prefill_tokens, seed=-1, count=1)  # first-call allocations
         prefill_alone = time_prefills(llm, args.prefill_tokens, seed=-2)

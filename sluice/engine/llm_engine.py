@@ -102,7 +102,8 @@ class LLMEngine:
         workers = TPWorkers(self.config, torch.get_num_threads())
         log.info("tensor parallel: %d ranks (rank 0 here, workers %s)", n,
                  [p.pid for p in workers.procs])
-        return init_tensor_parallel(0, n, workers.init_method, self.device), workers
+        return init_tensor_parallel(0, n, workers.init_method, self.device,
+                                    workers.shm_path), workers
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (an engine of one rank holds none)."""

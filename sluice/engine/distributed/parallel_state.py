@@ -1,6 +1,8 @@
 """A tensor-parallel group, as vLLM's `parallel_state`: the rank, the world size, and the
-three collectives TP needs. Gloo on CPU, NCCL on CUDA (torch.distributed). A group of one
-is the single-device engine: every collective is the identity, with no process group.
+three collectives TP needs. Gloo on CPU, NCCL on CUDA (torch.distributed); on CPU the
+all-reduce, a layer's collective, goes through shared memory where the engine's kernels
+are installed (shm_all_reduce.py). A group of one is the single-device engine: every
+collective is the identity, with no process group.
 """
 
 from __future__ import annotations
@@ -12,12 +14,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sluice.engine import kernels
+from sluice.engine.distributed.shm_all_reduce import ShmAllReduce
+
 
 @dataclass(frozen=True)
 class TPGroup:
     rank: int = 0
     world_size: int = 1
     group: Any = None  # torch.distributed.ProcessGroup (None: a group of one)
+    shm: ShmAllReduce | None = None  # CPU ranks: the shared-memory all-reduce
 
     def __post_init__(self) -> None:
         assert 0 <= self.rank < self.world_size, "rank within the world"
@@ -25,6 +31,8 @@ class TPGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks, on every rank (in place)."""
+        if self.shm is not None and x.device.type == "cpu":
+            return self.shm.all_reduce(x)
         if self.world_size > 1:
             dist.all_reduce(x, group=self.group)
         return x
@@ -65,8 +73,10 @@ SINGLE = TPGroup()
 
 
 def init_tensor_parallel(rank: int, world_size: int, init_method: str,
-                         device: torch.device) -> TPGroup:
-    """Join the workers' group (every rank calls it): gloo on CPU, NCCL on CUDA."""
+                         device: torch.device, shm_path: str | None = None) -> TPGroup:
+    """Join the workers' group (every rank calls it): gloo on CPU, NCCL on CUDA; on CPU,
+    with the shared-memory all-reduce over the segment at `shm_path` (create_segment)
+    where the engine's kernels are installed."""
     if world_size == 1:
         return SINGLE
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -75,7 +85,10 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str,
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(backend, init_method=init_method, rank=rank,
                             world_size=world_size)
-    return TPGroup(rank, world_size, dist.group.WORLD)
+    shm = None
+    if device.type == "cpu" and shm_path is not None and kernels.ops() is not None:
+        shm = ShmAllReduce(shm_path, rank, world_size)
+    return TPGroup(rank, world_size, dist.group.WORLD, shm)
 
 
 def check_tensor_parallel(num_heads: int, num_kv_heads: int, intermediate_size: int,

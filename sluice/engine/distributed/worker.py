@@ -20,6 +20,7 @@ class WorkerSpec:
     rank: int
     world_size: int
     init_method: str  # the group's rendezvous
+    shm_path: str  # the shared-memory all-reduce's segment (CPU)
     step_address: str  # rank 0's step publisher
     num_threads: int  # this rank's
     log_level: str = "INFO"
@@ -60,7 +61,8 @@ def run_worker(spec: WorkerSpec) -> None:
         pin_rank_cores(spec.rank, spec.num_threads)
     torch.set_num_threads(spec.num_threads)
     torch.manual_seed(cfg.seed)
-    tp = init_tensor_parallel(spec.rank, spec.world_size, spec.init_method, device)
+    tp = init_tensor_parallel(spec.rank, spec.world_size, spec.init_method, device,
+                              spec.shm_path)
     runner = build_model_runner(cfg, device, resolve_dtype(cfg.dtype, device), tp)
     log.info("tensor-parallel rank %d of %d ready on %s", spec.rank, spec.world_size, device)
     heads = runner.model.config.num_key_value_heads

@@ -33,6 +33,7 @@ import zmq
 from sluice.engine.config import EngineConfig
 from sluice.engine.distributed.messages import GatherKV, ScatterKV, StepInput, encoder
 from sluice.engine.distributed.parallel_state import TPGroup
+from sluice.engine.distributed.shm_all_reduce import create_segment
 from sluice.engine.distributed.worker import WorkerSpec
 
 log = logging.getLogger("sluice.engine.tp")
@@ -54,8 +55,12 @@ class TPWorkers:
         thread when one ends before `close` (default: log it and exit 1)."""
         n = config.parallel.tensor_parallel_size
         assert n > 1, "a group of one has no workers"
-        self.dir = tempfile.mkdtemp(prefix="sluice-tp-")  # mode 0700: private sockets
+        # (mode 0700: private sockets and memory; in memory where /dev/shm is)
+        shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+        self.dir = tempfile.mkdtemp(prefix="sluice-tp-", dir=shm)
         self.init_method = f"file://{self.dir}/rendezvous"
+        self.shm_path = os.path.join(self.dir, "all_reduce")
+        create_segment(self.shm_path, n)
         address = f"ipc://{self.dir}/steps"
         self.ctx = zmq.Context()
         self.pub = self.ctx.socket(zmq.XPUB)
@@ -68,8 +73,8 @@ class TPWorkers:
         for rank in range(1, n):
             spec_path = os.path.join(self.dir, f"rank{rank}.spec")
             with open(spec_path, "wb") as f:
-                pickle.dump(WorkerSpec(config, rank, n, self.init_method, address,
-                                       num_threads, level), f)
+                pickle.dump(WorkerSpec(config, rank, n, self.init_method, self.shm_path,
+                                       address, num_threads, level), f)
             # (a process of its own, not a multiprocessing child: the engine core may be a
             # daemonic process, which multiprocessing forbids children)
             self.procs.append(subprocess.Popen(
