@@ -12,7 +12,8 @@ timed by wrapping the engine's own methods (no engine code is instrumented):
   rest       step time minus the above (block tables, inputs built, outputs, metrics)
 
 `--profile-ops N` then runs `torch.profiler` over N more steps and prints the top ops by
-self CPU time per step.
+self CPU time per step, and, with `--tensor-parallel-size` > 1, rank 0's time in the
+collectives per step (the wait for the other ranks included).
 
 `--prefill-tokens N` also times prefill: a step that prefills one N-token prompt alone
 (before the batch is filled; three prompts, mean), and a mixed step where such a prompt
@@ -130,15 +131,22 @@ def time_prefills(llm, num_tokens: int, seed: int, count: int = 3) -> float:
     return total * 1e3 / count
 
 
-def profile_ops(llm, steps: int, top: int = 12) -> list[tuple[str, float]]:
-    """(op, self CPU ms per step) for the `top` most expensive ops."""
+COLLECTIVES = ("c10d::", "sluice::shm_all_reduce")  # the tensor-parallel ranks' ops
+
+
+def profile_ops(llm, steps: int, top: int = 12) -> tuple[list[tuple[str, float]], float]:
+    """(op, self CPU ms per step) for the `top` most expensive ops, and the ms per step
+    spent in collectives (with their children: a rank's wait for the others included)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             llm.step()
-    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    return [(e.key, e.self_cpu_time_total / 1e3 / steps) for e in rows[:top]]
+    events = prof.key_averages()
+    rows = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)
+    collectives = sum(e.cpu_time_total for e in events if e.key.startswith(COLLECTIVES))
+    return ([(e.key, e.self_cpu_time_total / 1e3 / steps) for e in rows[:top]],
+            collectives / 1e3 / steps)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -168,11 +176,14 @@ def _measure(llm, args: argparse.Namespace) -> int:
     backend = type(llm.model.attn_backend).__name__
     result = {"batch_size": args.batch_size, "mean_context": context, "dtype": str(llm.dtype),
               "attention_backend": backend,
-              "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
+              "threads": torch.get_num_threads(), "tensor_parallel_size": llm.tp.world_size,
+              "date": time.strftime("%Y-%m-%d"),
               **{f"{k}_ms": v for k, v in phases.items()}}
     order = ["step", "schedule", "forward", "logits", "sample", "rest"]
+    ranks = llm.tp.world_size
     print(f"decode step, batch {args.batch_size}, mean context {context:.0f} tokens, "
-          f"{llm.dtype}, {torch.get_num_threads()} threads, {backend}")
+          f"{llm.dtype}, {ranks} rank{'s' * (ranks > 1)} x {torch.get_num_threads()} "
+          f"threads, {backend}")
     for k in order:
         print(f"  {k:>9}: {phases.get(k, 0.0):8.2f} ms")
     if args.prefill_tokens:
@@ -182,8 +193,10 @@ def _measure(llm, args: argparse.Namespace) -> int:
         print(f"  a {args.prefill_tokens}-token prefill: {prefill_alone:.2f} ms alone, "
               f"{mixed:.2f} ms beside the {args.batch_size} decodes")
     if args.profile_ops:
-        ops = profile_ops(llm, args.profile_ops)
-        result["ops_ms"] = dict(ops)
+        ops, collectives = profile_ops(llm, args.profile_ops)
+        result.update(ops_ms=dict(ops), collectives_ms=collectives)
+        if llm.tp.world_size > 1:
+            print(f"  collectives (all-reduce, gather): {collectives:.2f} ms per step")
         print("  top ops (self CPU ms per step):")
         for name, ms in ops:
             print(f"    {ms:8.2f}  {name}")
