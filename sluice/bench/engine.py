@@ -165,7 +165,11 @@ def main(args: argparse.Namespace) -> int:
         return _report(run_spec(config, args), config, args)
     llm = LLMEngine(config, weights=weights)
     weights = None  # the engine holds its own copy now
-    result = run_throughput(llm, args) if args.mode == "throughput" else run_latency(llm, args)
+    try:
+        result = (run_throughput(llm, args) if args.mode == "throughput"
+                  else run_latency(llm, args))
+    finally:
+        llm.close()  # (its tensor-parallel workers, if any)
     if hf_result is not None:
         result.update({f"hf_{k}": v for k, v in hf_result.items()})
         result["ttft_ratio_ours_over_hf"] = result["ttft_ms"] / hf_result["ttft_ms"]

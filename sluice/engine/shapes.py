@@ -17,6 +17,12 @@ SHAPES: dict[str, dict] = {
         "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
         "rope_scaling": {**_LLAMA3_ROPE, "factor": 8.0},
     },
+    "llama-3.1-70b": {
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672,
+        "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+        "rope_scaling": {**_LLAMA3_ROPE, "factor": 8.0},
+    },
     "llama-3.2-1b": {
         "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
         "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
