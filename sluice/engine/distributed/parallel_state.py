@@ -80,6 +80,8 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str,
     if world_size == 1:
         return SINGLE
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":  # (NCCL binds a rank's communicator to the current device)
+        torch.cuda.set_device(device)
     # (the ranks share a pod or a machine: gloo's peers meet on loopback, not on the
     # interface the host name resolves to)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
