@@ -78,7 +78,7 @@ def _assert_matches_transformers(
     return our config, tensors and load time."""
     start = time.perf_counter()
     config, iterator = load_gguf(path)
-    ours = dict(iterator)
+    ours = {name: t[:] for name, t in iterator}
     seconds = time.perf_counter() - start
     ref_config, ref_tensors = _reference(path, fast)
     assert config["model_type"] == ref_config.model_type == expected_type
@@ -279,3 +279,21 @@ def test_unknown_tensors_and_architectures_are_errors(tmp_path) -> None:
     writer.close()
     with pytest.raises(ValueError, match="architecture 'gpt2' is not supported"):
         load_gguf(path)
+
+
+def test_a_slice_of_rows_is_dequantized_alone_and_equals_the_whole_tensors_rows() -> None:
+    """What a tensor-parallel rank reads: its heads of q (whole heads: the un-permuting
+    works on them alone), rows of k that split a head, embedding rows, down's columns."""
+    _, tensors = load_gguf(resolve_default_model())
+    wanted = {"model.layers.0.self_attn.q_proj.weight": (slice(192, 384),),
+              "model.layers.0.self_attn.k_proj.weight": (slice(32, 96),),
+              "model.embed_tokens.weight": (slice(16384, 32768),),
+              "model.layers.0.mlp.down_proj.weight": (slice(None), slice(512, 1024))}
+    seen = 0
+    for name, t in tensors:
+        if name in wanted:
+            whole = t[:]
+            assert tuple(whole.shape) == t.get_shape()
+            assert torch.equal(t[wanted[name]], whole[wanted[name]]), name
+            seen += 1
+    assert seen == len(wanted)

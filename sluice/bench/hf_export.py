@@ -71,7 +71,7 @@ def write_hf_folder(gguf_path: str, out: Path, dtype: str = "bfloat16") -> None:
 
     reader = gguf.GGUFReader(gguf_path, "r")
     config = gguf_config(reader)
-    tensors = {name: t.to(_DTYPES[dtype]).contiguous()
+    tensors = {name: t[:].to(_DTYPES[dtype]).contiguous()
                for name, t in iter_gguf_tensors(reader, config)}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = {k: v for k, v in config.items() if v is not None}

@@ -8,8 +8,10 @@ Contract of `load_gguf(path)`:
   `rope_freqs` tensor (Llama 3.1 style scaling) is skipped, as transformers does);
 * the iterator yields every tensor once, under its transformers name
   (model.embed_tokens.weight, model.layers.N.self_attn.q_proj.weight, ...,
-  lm_head.weight only when the file has its own output matrix), dequantized
-  lazily to contiguous float32 CPU tensors with the shape transformers uses;
+  lm_head.weight only when the file has its own output matrix), as a `GGUFSlice`:
+  indexed like a safetensors slice, it dequantizes what is asked for (only those rows,
+  for a slice of rows) to contiguous float32 CPU tensors with the shape transformers
+  uses;
 * for llama-architecture files, llama.cpp's interleaving of the Q and K rows
   (done for its rotary embedding) is undone, as transformers' GGUF loader does.
 """
@@ -150,39 +152,74 @@ def _unpermute_rows(weights: np.ndarray, n_head: int) -> np.ndarray:
     return w.swapaxes(1, 2).reshape(weights.shape)
 
 
-def _dequantize(tensor: Any) -> np.ndarray:
-    """A GGUF tensor as float32, shaped like the transformers parameter."""
+def _dequantize(tensor: Any, rows: slice = slice(None)) -> np.ndarray:
+    """Rows `rows` of a GGUF tensor as float32, shaped like the transformers parameter.
+    Quantized blocks run along a row, so a slice of rows is dequantized alone."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    if tensor.tensor_type == GGMLQuantizationType.F32:
-        array = np.asarray(tensor.data, dtype=np.float32)
-    elif tensor.tensor_type == GGMLQuantizationType.F16:
-        array = np.asarray(tensor.data).astype(np.float32)
-    else:
-        array = dequantize(tensor.data, tensor.tensor_type)
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    array = array.reshape(shape)
+    data = tensor.data.reshape(shape[0], -1) if len(shape) > 1 else tensor.data
+    data = data[rows]
+    if tensor.tensor_type == GGMLQuantizationType.F32:
+        array = np.asarray(data, dtype=np.float32)
+    elif tensor.tensor_type == GGMLQuantizationType.F16:
+        array = np.asarray(data).astype(np.float32)
+    else:
+        array = dequantize(data, tensor.tensor_type)
+    array = array.reshape(-1, *shape[1:]) if len(shape) > 1 else array
     assert array.dtype == np.float32
     return array
 
 
-def iter_gguf_tensors(reader: Any, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (transformers name, float32 tensor) for every tensor of `reader`."""
+class GGUFSlice:
+    """A tensor of the file, dequantized when indexed (a loader's shard: only its rows are
+    dequantized when it asks for rows), with llama.cpp's Q/K row order undone."""
+
+    def __init__(self, tensor: Any, unpermute_heads: int | None):
+        self.tensor, self.heads = tensor, unpermute_heads
+        self.shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+
+    def get_shape(self) -> tuple[int, ...]:
+        return self.shape
+
+    def __getitem__(self, key) -> torch.Tensor:
+        rows, rest = (key[0], key[1:]) if isinstance(key, tuple) else (key, ())
+        if not isinstance(rows, slice) or rows.step not in (None, 1):
+            return self._tensor(self._rows(slice(None)))[key]
+        start, stop, _ = rows.indices(self.shape[0])
+        return self._tensor(self._rows(slice(start, stop)))[(slice(None), *rest)]
+
+    def _rows(self, rows: slice) -> np.ndarray:
+        if self.heads is None:
+            return _dequantize(self.tensor, rows)
+        head_rows = self.shape[0] // self.heads
+        if rows.start % head_rows or rows.stop % head_rows:  # (not whole heads: all rows)
+            return _unpermute_rows(_dequantize(self.tensor), self.heads)[rows]
+        return _unpermute_rows(_dequantize(self.tensor, rows),
+                               (rows.stop - rows.start) // head_rows)
+
+    @staticmethod
+    def _tensor(array: np.ndarray) -> torch.Tensor:
+        array = np.ascontiguousarray(array)
+        if not array.flags.writeable:  # a view into the read-only file mapping
+            array = array.copy()
+        return torch.from_numpy(array)
+
+
+def iter_gguf_tensors(reader: Any, config: dict[str, Any]) -> Iterator[tuple[str, GGUFSlice]]:
+    """Yield (transformers name, lazily dequantized tensor) for every tensor of `reader`."""
     arch = config["model_type"]
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
         if name is None:
             continue
-        array = _dequantize(tensor)
+        heads = None
         if arch == "llama" and ".attn_q." in tensor.name:
-            array = _unpermute_rows(array, config["num_attention_heads"])
+            heads = config["num_attention_heads"]
         elif arch == "llama" and ".attn_k." in tensor.name:
-            array = _unpermute_rows(array, config["num_key_value_heads"])
-        array = np.ascontiguousarray(array)
-        if not array.flags.writeable:  # a view into the read-only file mapping
-            array = array.copy()
-        yield name, torch.from_numpy(array)
+            heads = config["num_key_value_heads"]
+        yield name, GGUFSlice(tensor, heads)
 
 
 @functools.lru_cache(maxsize=1)
@@ -194,8 +231,8 @@ def _open_reader(path: str, mtime_ns: int, size: int) -> Any:
     return GGUFReader(path, "r")
 
 
-def load_gguf(path: str) -> tuple[dict[str, Any], Iterator[tuple[str, torch.Tensor]]]:
-    """Config dict and a lazy iterator of float32 tensors from a GGUF file."""
+def load_gguf(path: str) -> tuple[dict[str, Any], Iterator[tuple[str, GGUFSlice]]]:
+    """Config dict and a lazy iterator of the file's tensors (GGUFSlice)."""
     stat = os.stat(path)
     reader = _open_reader(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
     config = gguf_config(reader)
