@@ -118,11 +118,19 @@ def test_busy_steps_chunked_prefill_prefix_hits_and_preemption_match_one_rank():
     assert two == one and stats_two == (preempted, hits)
 
 
-def test_ngram_speculation_over_two_ranks_emits_the_plain_tokens():
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2,
-                             prompt_lookup_max=3)
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+     "prompt_lookup_max": 3},
+    # (the draft model runs whole on rank 0; the target's ranks verify its drafts)
+    {"method": "draft_model", "model": "tiny-llama", "load_format": "dummy",
+     "num_speculative_tokens": 3},
+], ids=["ngram", "draft_model"])
+def test_speculation_over_two_ranks_emits_the_plain_tokens(spec):
     plain = _generate(_config("tiny-llama", 1), PROMPTS)
-    assert _generate(_config("tiny-llama", 2, speculative=spec), PROMPTS) == plain
+    config = _config("tiny-llama", 2, speculative=SpeculativeConfig.from_dict(spec))
+    out, accepted = _generate(config, PROMPTS, inspect=lambda e: e.metrics.spec_accepted
+                              ._value.get())
+    assert out == plain and accepted > 0
 
 
 def test_each_rank_holds_its_share_of_the_weights():
