@@ -3,8 +3,8 @@ the package is installed; everything else about the package is in pyproject.toml
 
 Each kernel source is compiled once per instruction-set variant of the machine's
 architecture (VARIANTS: -march levels, so one build runs on any CPU of that architecture),
-each variant's symbols suffixed by its name (csrc/isa.h); torch_bindings.cpp registers the
-torch ops and picks the best variant the CPU runs (shm_all_reduce.cpp, the ranks'
+each variant's symbols suffixed by its name (csrc/isa.h); the C++ files register the torch
+ops, and dispatch.cpp picks the best variant the CPU runs (shm_all_reduce.cpp, the ranks'
 shared-memory all-reduce, has one variant). torch's C++ headers are needed, so the
 kernels are built only where torch is importable at build time: `pip install
 --no-build-isolation` after torch (the Makefile and the engine image do; set
@@ -33,6 +33,9 @@ SOURCES = {
     # A float32 sum of products, in any order (as a GEMM's).
     "lora.c": ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fassociative-math",
                "-fno-signed-zeros", "-fno-trapping-math"],
+    # Integer dot products per block; a row's float sum over the blocks in order, and an
+    # embedding row dequantized as the gguf package does (no fused multiply-adds).
+    "gguf.c": ["-O3", "-fno-math-errno", "-ffp-contract=off"],
 }
 # Best last; the names are those torch_bindings.cpp checks the CPU for.
 VARIANTS = {
@@ -76,7 +79,7 @@ def kernel_extensions() -> tuple[list, dict]:
 
     isas = " ".join(f"X({isa})" for isa in variants())
     ext = CppExtension(
-        "sluice.engine._C", [str(CSRC / "torch_bindings.cpp"), str(CSRC / "shm_all_reduce.cpp")],
+        "sluice.engine._C", sorted(str(p) for p in CSRC.glob("*.cpp")),
         # rebuilt when any kernel file changes (and shipped in the sdist)
         depends=sorted(str(p) for p in CSRC.iterdir() if p.suffix in (".c", ".h", ".cpp")),
         define_macros=[("SLUICE_ISAS(X)", isas)],

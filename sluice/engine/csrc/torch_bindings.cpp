@@ -1,11 +1,7 @@
 // The engine's CPU kernels as torch ops: torch.ops.sluice.{rms_norm, rotary, paged_attention,
-// lora_add}.
-//
-// Policy: the library holds every instruction-set variant setup.py built (SLUICE_ISAS, a
-// macro it defines, best last); the first call uses the best one this CPU runs, unless
-// select_cpu_isa named another (SLUICE_CPU_ISA, read by sluice/engine/kernels.py; the tests
-// force each variant in turn). Arguments are checked here, so a bad call is a RuntimeError,
-// never a read out of bounds. Imported as the module sluice.engine._C, which registers them.
+// lora_add}, each calling the instruction-set variant in use (dispatch.h). Arguments are
+// checked here, so a bad call is a RuntimeError, never a read out of bounds. Imported as the
+// module sluice.engine._C, which registers them (and the other files' ops).
 #include <Python.h>
 
 #include <ATen/Parallel.h>
@@ -13,125 +9,12 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include <atomic>
 #include <cstdint>
-#include <string>
 #include <vector>
 
-#ifndef SLUICE_ISAS
-#error "build with -DSLUICE_ISAS(X)=X(portable)... (setup.py does)"
-#endif
-
-using RmsNormFn = void (*)(const uint16_t *, int64_t, const uint16_t *, uint16_t *, int64_t, int,
-                           float);
-using RotaryFn = void (*)(const uint16_t *, int64_t, uint16_t *, const uint16_t *,
-                          const uint16_t *, int64_t, int, int);
-using LoraAddFn = void (*)(const uint16_t *, int64_t, uint16_t *, int64_t, const uint16_t *,
-                           const uint16_t *, const int32_t *, int64_t, int, int, int,
-                           const int32_t *, int, float *, float *);
-using AttentionFn = int (*)(const void *, void *, const void *, const void *, const int32_t *,
-                            int64_t, const int32_t *, const int32_t *, const int32_t *,
-                            const int32_t *, int, int, int, int, int, float, int, int);
-
-#define SLUICE_DECLARE(isa)                                                              \
-    extern "C" void sluice_rms_norm_##isa(const uint16_t *, int64_t, const uint16_t *,   \
-                                          uint16_t *, int64_t, int, float);              \
-    extern "C" void sluice_rotary_##isa(const uint16_t *, int64_t, uint16_t *,           \
-                                        const uint16_t *, const uint16_t *, int64_t, int, \
-                                        int);                                            \
-    extern "C" int sluice_paged_attention_##isa(                                         \
-        const void *, void *, const void *, const void *, const int32_t *, int64_t,      \
-        const int32_t *, const int32_t *, const int32_t *, const int32_t *, int, int, int, \
-        int, int, float, int, int);                                                      \
-    extern "C" void sluice_lora_add_##isa(const uint16_t *, int64_t, uint16_t *, int64_t, \
-                                          const uint16_t *, const uint16_t *,             \
-                                          const int32_t *, int64_t, int, int, int,        \
-                                          const int32_t *, int, float *, float *);
-SLUICE_ISAS(SLUICE_DECLARE)
+#include "dispatch.h"
 
 namespace {
-
-struct Variant {
-    const char *name;
-    RmsNormFn rms_norm;
-    RotaryFn rotary;
-    AttentionFn paged_attention;
-    LoraAddFn lora_add;
-};
-
-#define SLUICE_ENTRY(isa)                                                                 \
-    Variant{#isa, sluice_rms_norm_##isa, sluice_rotary_##isa, sluice_paged_attention_##isa, \
-            sluice_lora_add_##isa},
-const Variant kVariants[] = {SLUICE_ISAS(SLUICE_ENTRY)};
-
-// Whether this CPU (and its OS, for the AVX-512 state) runs a variant's instructions; the
-// names and -march levels are setup.py's.
-bool runs(const std::string &isa) {
-    if (isa == "portable") return true;
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    if (isa == "avx2") return __builtin_cpu_supports("x86-64-v3");
-    if (isa == "avx512") return __builtin_cpu_supports("x86-64-v4");
-    if (isa == "avx512bf16")
-        return __builtin_cpu_supports("x86-64-v4") && __builtin_cpu_supports("avx512bf16");
-#endif
-    return false;
-}
-
-const Variant *best() {
-    const Variant *pick = &kVariants[0];
-    for (const Variant &v : kVariants)
-        if (runs(v.name)) pick = &v;
-    return pick;
-}
-
-std::atomic<const Variant *> selected{nullptr};
-
-const Variant &current() {
-    const Variant *v = selected.load(std::memory_order_acquire);
-    if (v == nullptr) {
-        v = best();
-        selected.store(v, std::memory_order_release);
-    }
-    return *v;
-}
-
-std::string cpu_isa() { return current().name; }
-
-std::vector<std::string> cpu_isas() {
-    std::vector<std::string> names;
-    for (const Variant &v : kVariants)
-        if (runs(v.name)) names.emplace_back(v.name);
-    return names;
-}
-
-void select_cpu_isa(c10::string_view name) {
-    const std::string wanted(name);
-    for (const Variant &v : kVariants) {
-        if (wanted == v.name) {
-            TORCH_CHECK(runs(wanted), "this CPU cannot run the ", wanted, " kernels");
-            selected.store(&v, std::memory_order_release);
-            return;
-        }
-    }
-    std::string built;
-    for (const Variant &v : kVariants) built += std::string(built.empty() ? "" : ", ") + v.name;
-    TORCH_CHECK(false, "no CPU kernel variant ", wanted, " (built: ", built, ")");
-}
-
-template <typename T>
-const T *in(const at::Tensor &t) {
-    return static_cast<const T *>(t.const_data_ptr());
-}
-
-template <typename T>
-T *out_of(at::Tensor &t) {
-    return static_cast<T *>(t.mutable_data_ptr());
-}
-
-void check_cpu(const at::Tensor &t, const char *name) {
-    TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
-}
 
 // Rows (tokens) per task when an elementwise kernel is split over torch's threads: a row is
 // ~0.15 us (SmolLM2's 576 wide), a parallel region a few us, so a decode batch stays on one
@@ -263,9 +146,6 @@ TORCH_LIBRARY(sluice, m) {
           "Tensor seq_lens, float scale) -> ()");
     m.def("lora_add(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor row_slots, "
           "int[] part_sizes, int rank) -> ()");
-    m.def("cpu_isa() -> str", &cpu_isa);
-    m.def("cpu_isas() -> str[]", &cpu_isas);
-    m.def("select_cpu_isa(str name) -> ()", &select_cpu_isa);
 }
 
 TORCH_LIBRARY_IMPL(sluice, CPU, m) {

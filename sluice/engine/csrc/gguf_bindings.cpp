@@ -1,0 +1,100 @@
+// GGUF's quantized weights as torch ops (gguf.c says how they multiply):
+//   torch.ops.sluice.gguf_linear(x, w, type) -> y: float32 [rows, n] = x [rows, k] W^T, for x
+//     float32 or bfloat16 (rows contiguous) and W the file's blocks, uint8 [n, bytes per row];
+//   torch.ops.sluice.gguf_dequantize(w, type, ids) -> float32 [len(ids), k]: rows of W (an
+//     embedding lookup).
+// Types are GGMLQuantizationType values: Q4_0 (2), Q4_1 (3), Q8_0 (8).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+#include "dispatch.h"
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+// Output features per task: a task of a decode step should still stream a few KiB of
+// weights, so the threads share a layer without a parallel region per handful of rows.
+constexpr int64_t kOutsPerTask = 32;
+
+int64_t block_bytes(int64_t type) {
+    switch (type) {
+        case 2: return 18;  // Q4_0: half d, 16 bytes of codes
+        case 3: return 20;  // Q4_1: half d, half m, 16 bytes of codes
+        case 8: return 34;  // Q8_0: half d, 32 int8 codes
+    }
+    TORCH_CHECK(false, "GGUF type ", type, " has no kernel (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
+}
+
+// Checks w and returns its blocks per row.
+int64_t blocks_per_row(const at::Tensor &w, int64_t type) {
+    check_cpu(w, "w");
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
+                "w: uint8 [n, bytes per row], contiguous");
+    const int64_t bytes = block_bytes(type);
+    TORCH_CHECK(w.size(1) % bytes == 0, "a row of w is not whole blocks of ", bytes, " bytes");
+    return w.size(1) / bytes;
+}
+
+at::Tensor gguf_linear(const at::Tensor &x, const at::Tensor &w, int64_t type) {
+    check_cpu(x, "x");
+    const int64_t nb = blocks_per_row(w, type), k = nb * kBlock, n = w.size(0);
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x: [rows, ", k, "]");
+    TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+                "x: float32 or bfloat16");
+    const at::Tensor xf = x.to(at::kFloat).contiguous();
+    const int64_t rows = x.size(0);
+    at::Tensor q = at::empty({rows, k}, x.options().dtype(at::kChar));
+    at::Tensor d = at::empty({rows, nb}, x.options().dtype(at::kFloat));
+    at::Tensor s = at::empty({rows, nb}, x.options().dtype(at::kFloat));
+    at::Tensor y = at::empty({rows, n}, x.options().dtype(at::kFloat));
+    const Variant &v = current();
+    const float *src = in<float>(xf);
+    int8_t *qp = out_of<int8_t>(q);
+    float *dp = out_of<float>(d), *sp = out_of<float>(s), *yp = out_of<float>(y);
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+        v.quantize_q8(src + begin * k, k, end - begin, k, qp + begin * k, dp + begin * nb,
+                      sp + begin * nb);
+    });
+    const uint8_t *wp = in<uint8_t>(w);
+    const int64_t stride = w.size(1);
+    at::parallel_for(0, n, kOutsPerTask, [&](int64_t begin, int64_t end) {
+        v.gguf_dot(static_cast<int>(type), wp + begin * stride, stride, end - begin, nb, qp, dp,
+                   sp, rows, yp + begin, n);
+    });
+    return y;
+}
+
+at::Tensor gguf_dequantize(const at::Tensor &w, int64_t type, const at::Tensor &ids) {
+    const int64_t nb = blocks_per_row(w, type), n = w.size(0);
+    TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "ids: int64 [m]");
+    const at::Tensor idx = ids.contiguous();
+    const int64_t m = idx.numel(), *ip = in<int64_t>(idx);
+    for (int64_t i = 0; i < m; i++)
+        TORCH_CHECK(0 <= ip[i] && ip[i] < n, "row ", ip[i], " of ", n);
+    at::Tensor out = at::empty({m, nb * kBlock}, w.options().dtype(at::kFloat));
+    const Variant &v = current();
+    const uint8_t *wp = in<uint8_t>(w);
+    float *op = out_of<float>(out);
+    at::parallel_for(0, m, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; i++)
+            v.gguf_dequantize(static_cast<int>(type), wp + ip[i] * w.size(1), nb,
+                              op + i * nb * kBlock);
+    });
+    return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(sluice, m) {
+    m.def("gguf_linear(Tensor x, Tensor w, int type) -> Tensor");
+    m.def("gguf_dequantize(Tensor w, int type, Tensor ids) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(sluice, CPU, m) {
+    m.impl("gguf_linear", &gguf_linear);
+    m.impl("gguf_dequantize", &gguf_dequantize);
+}
