@@ -139,8 +139,13 @@ class EngineConfig:
     kv_transfer: KVTransferConfig | None = None  # disaggregated prefill/decode (kv_transfer/)
     lora: LoRAConfig | None = None  # --enable-lora (lora/); None: base model only
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # --quantization gguf: a GGUF file's quantized blocks kept and multiplied as stored
+    # (layers/gguf_linear.py); None: weights dequantized to --dtype at load
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization is not None:
+            self._check_quantization()
         if self.parallel.tensor_parallel_size == 1:
             return
         refused = {"--enable-lora": self.lora is not None,
@@ -149,6 +154,15 @@ class EngineConfig:
         for flag, given in refused.items():
             if given:
                 raise ValueError(f"{flag} is not supported with --tensor-parallel-size > 1")
+
+    def _check_quantization(self) -> None:
+        if self.quantization != "gguf":
+            raise ValueError(f"--quantization {self.quantization!r}: only 'gguf' is supported")
+        if not self.model.endswith(".gguf") or self.load_format == "dummy":
+            raise ValueError("--quantization gguf takes a .gguf model file")
+        if self.lora is not None or self.parallel.tensor_parallel_size > 1:
+            raise ValueError("--quantization gguf is not supported with --enable-lora or "
+                             "--tensor-parallel-size > 1")
 
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)

@@ -179,9 +179,18 @@ class GGUFSlice:
     def __init__(self, tensor: Any, unpermute_heads: int | None):
         self.tensor, self.heads = tensor, unpermute_heads
         self.shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        self.qtype = int(tensor.tensor_type)  # GGMLQuantizationType
 
     def get_shape(self) -> tuple[int, ...]:
         return self.shape
+
+    def raw(self) -> torch.Tensor:
+        """The tensor's blocks as stored, uint8 [rows, bytes per row] (rows in transformers'
+        order), in memory of its own."""
+        data = np.asarray(self.tensor.data).reshape(self.shape[0], -1)
+        if self.heads is not None:
+            data = _unpermute_rows(data, self.heads)
+        return torch.from_numpy(np.array(data, dtype=np.uint8, order="C", copy=True))
 
     def __getitem__(self, key) -> torch.Tensor:
         rows, rest = (key[0], key[1:]) if isinstance(key, tuple) else (key, ())

@@ -21,7 +21,7 @@ import torch
 from sluice.engine.attention.backend import AttentionBackend
 from sluice.engine.config import ModelConfig
 from sluice.engine.distributed.parallel_state import SINGLE, TPGroup
-from sluice.engine.layers.linear import Linear
+from sluice.engine.layers.gguf_linear import GGUFQuant
 from sluice.engine.layers.parallel_linear import ColumnParallelLinear, check_shape
 from sluice.engine.lora.layers import LoRAContext
 from sluice.engine.models.causal_lm import CausalLM
@@ -54,14 +54,15 @@ def read_hf_config(model: str, load_format: str) -> dict:
 def load_model(model: str, load_format: str, backend: AttentionBackend, dtype: torch.dtype,
                device: torch.device, seed: int = 0,
                weights: Iterator[tuple[str, torch.Tensor]] | None = None,
-               lora: LoRAContext | None = None, tp: TPGroup = SINGLE) -> CausalLM:
+               lora: LoRAContext | None = None, tp: TPGroup = SINGLE,
+               quant: GGUFQuant | None = None) -> CausalLM:
     """Build the model (with LoRA layers given a context; this rank's shard given a
-    tensor-parallel group); `weights` (transformers names) overrides the checkpoint or
-    dummy init."""
+    tensor-parallel group; a GGUF file's quantized blocks kept given `quant`); `weights`
+    (transformers names) overrides the checkpoint or dummy init."""
     hf_config = read_hf_config(model, load_format)
     cfg = ModelConfig.from_hf(hf_config)
     with torch.device(device):
-        lm = model_class(cfg.architecture)(cfg, backend, lora=lora, tp=tp)
+        lm = model_class(cfg.architecture)(cfg, backend, lora=lora, tp=tp, quant=quant)
     # Parameters take the engine dtype; rotary frequencies stay float32.
     for p in lm.parameters():
         p.data = p.data.to(dtype)
@@ -79,7 +80,7 @@ def load_model(model: str, load_format: str, backend: AttentionBackend, dtype: t
     # through autograd's fallback: ~700x slower).
     lm.requires_grad_(False)
     for module in lm.modules():  # (after loading: a kernel may reorder the weights)
-        if isinstance(module, Linear):
+        if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
     return lm.eval()
 
@@ -107,9 +108,9 @@ def _load_weights(lm: CausalLM, weights: Iterator[tuple[str, object]]) -> None:
         module_name, _, param = name.rpartition(".")
         owner, _, part = module_name.rpartition(".")
         target = f"{owner}.{_FUSED[part]}" if part in _FUSED else module_name
-        if f"{target}.{param}" not in params:
+        module = modules.get(target)
+        if f"{target}.{param}" not in params and not hasattr(module, "weight_loader"):
             raise ValueError(f"unexpected weight {name!r} for {lm.config.model_type}")
-        module = modules[target]
         if hasattr(module, "weight_loader"):
             module.weight_loader(param, full, part)
         else:

@@ -109,6 +109,10 @@ static float row_q8_0(const uint8_t *w, int64_t nb, const int8_t *q, const float
     return acc;
 }
 
+#if defined(__AVX512VNNI__)
+#include "gguf_vnni.h"
+#endif
+
 /* y[r, o] for o in [0, outs) of the weight rows w (w_stride bytes apart, nb blocks each)
  * and activation rows r in [0, rows) quantized by quantize_q8 (q [rows, nb x 32], d and s
  * [rows, nb]); y's rows are y_stride floats apart. An unknown type writes nothing. */
@@ -119,10 +123,14 @@ void SLUICE_KERNEL(gguf_dot)(int type, const uint8_t *w, int64_t w_stride, int64
         type == GGUF_Q4_0 ? row_q4_0 : type == GGUF_Q4_1 ? row_q4_1
                                      : type == GGUF_Q8_0 ? row_q8_0 : 0;
     if (!row) return;
+#if defined(__AVX512VNNI__)
+    vnni_dot(type, w, w_stride, outs, nb, q, d, s, rows, y, y_stride);
+#else
     for (int64_t o = 0; o < outs; o++)
         for (int64_t r = 0; r < rows; r++)
             y[r * y_stride + o] = row(w + o * w_stride, nb, q + r * nb * QK, d + r * nb,
                                       s + r * nb);
+#endif
 }
 
 /* One weight row of nb blocks as float32 (an embedding lookup; the tests' reference). */

@@ -17,9 +17,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from torch import nn
 
 from sluice.engine.distributed.parallel_state import SINGLE, TPGroup
-from sluice.engine.layers.linear import Linear
+from sluice.engine.layers.gguf_linear import GGUFLinear, GGUFQuant
 from sluice.engine.layers.parallel_linear import (
     ColumnParallelLinear,
     PartShard,
@@ -93,9 +94,14 @@ class LoRALinear(ColumnParallelLinear):
 
 
 def column_linear(in_features: int, shards: dict[str, PartShard], bias: bool,
-                  lora: LoRAContext | None, tp: TPGroup) -> Linear:
+                  lora: LoRAContext | None, tp: TPGroup,
+                  quant: GGUFQuant | None = None) -> nn.Module:
     """The projection whose output is the parts `shards` names (transformers' module
-    names), concatenated: column-parallel, or a LoRALinear when the model serves adapters."""
+    names), concatenated: column-parallel, a LoRALinear when the model serves adapters, or
+    a GGUFLinear over the file's quantized blocks."""
+    if quant is not None:
+        assert tp.world_size == 1 and lora is None, "GGUF blocks: one rank, no adapters"
+        return GGUFLinear(in_features, {n: s.total for n, s in shards.items()}, bias, quant)
     if lora is None:
         return ColumnParallelLinear(in_features, shards, bias, tp)
     assert tp.world_size == 1, "adapters are served without tensor parallelism (config)"
@@ -103,9 +109,13 @@ def column_linear(in_features: int, shards: dict[str, PartShard], bias: bool,
 
 
 def row_linear(in_features: int, part: str, out_features: int, bias: bool,
-               lora: LoRAContext | None, tp: TPGroup) -> Linear:
-    """The projection `part` that takes a column-parallel layer's output: row-parallel, or
-    a LoRALinear when the model serves adapters."""
+               lora: LoRAContext | None, tp: TPGroup,
+               quant: GGUFQuant | None = None) -> nn.Module:
+    """The projection `part` that takes a column-parallel layer's output: row-parallel, a
+    LoRALinear when the model serves adapters, or a GGUFLinear."""
+    if quant is not None:
+        assert tp.world_size == 1 and lora is None, "GGUF blocks: one rank, no adapters"
+        return GGUFLinear(in_features, {part: out_features}, bias, quant)
     if lora is None:
         return RowParallelLinear(in_features, out_features, bias, tp)
     assert tp.world_size == 1, "adapters are served without tensor parallelism (config)"

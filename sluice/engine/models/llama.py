@@ -16,6 +16,7 @@ from sluice.engine.config import ModelConfig
 from sluice.engine.distributed.parallel_state import SINGLE, TPGroup
 from sluice.engine.layers.activation import SiluAndMul
 from sluice.engine.layers.attention import Attention
+from sluice.engine.layers.gguf_linear import GGUFQuant
 from sluice.engine.layers.layernorm import RMSNorm
 from sluice.engine.layers.parallel_linear import column_shards, kv_heads_per_rank, qkv_shards
 from sluice.engine.layers.rotary_embedding import RotaryEmbedding
@@ -27,7 +28,8 @@ class LlamaAttention(nn.Module):
     qkv_bias: bool | None = None  # a family's fixed choice; None: the config's attention_bias
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
-                 lora: LoRAContext | None = None, tp: TPGroup = SINGLE):
+                 lora: LoRAContext | None = None, tp: TPGroup = SINGLE,
+                 quant: GGUFQuant | None = None):
         super().__init__()
         n, head_dim = tp.world_size, cfg.head_dim
         shards = qkv_shards(cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, tp)
@@ -37,9 +39,9 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         bias = cfg.attention_bias if self.qkv_bias is None else self.qkv_bias
-        self.qkv_proj = column_linear(cfg.hidden_size, shards, bias, lora, tp)
+        self.qkv_proj = column_linear(cfg.hidden_size, shards, bias, lora, tp, quant)
         self.o_proj = row_linear(cfg.num_attention_heads * head_dim, "o_proj", cfg.hidden_size,
-                                 False, lora, tp)
+                                 False, lora, tp, quant)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
 
     def forward(self, cos_sin, x: torch.Tensor, kv_cache: torch.Tensor,
@@ -62,13 +64,14 @@ class LlamaMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
 
     def __init__(self, cfg: ModelConfig, lora: LoRAContext | None = None,
-                 tp: TPGroup = SINGLE):
+                 tp: TPGroup = SINGLE, quant: GGUFQuant | None = None):
         super().__init__()
         f = cfg.intermediate_size
         self.gate_up_proj = column_linear(
-            cfg.hidden_size, column_shards({"gate_proj": f, "up_proj": f}, tp), False, lora, tp)
+            cfg.hidden_size, column_shards({"gate_proj": f, "up_proj": f}, tp), False, lora, tp,
+            quant)
         self.act_fn = SiluAndMul()
-        self.down_proj = row_linear(f, "down_proj", cfg.hidden_size, False, lora, tp)
+        self.down_proj = row_linear(f, "down_proj", cfg.hidden_size, False, lora, tp, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -78,12 +81,13 @@ class LlamaDecoderLayer(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
-                 lora: LoRAContext | None = None, tp: TPGroup = SINGLE):
+                 lora: LoRAContext | None = None, tp: TPGroup = SINGLE,
+                 quant: GGUFQuant | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = self.attention_cls(cfg, backend, lora, tp)
+        self.self_attn = self.attention_cls(cfg, backend, lora, tp, quant)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg, lora, tp)
+        self.mlp = LlamaMLP(cfg, lora, tp, quant)
 
     def forward(self, cos_sin, x, kv_cache, meta):
         x = x + self.self_attn(cos_sin, self.input_layernorm(x), kv_cache, meta)
