@@ -11,8 +11,8 @@ import pytest
 import torch
 
 gguf = pytest.importorskip("gguf")
-from gguf import GGMLQuantizationType as T  # noqa: E402
-from gguf.quants import dequantize, quantize  # noqa: E402
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize, quantize
 
 TYPES = [T.Q4_0, T.Q4_1, T.Q8_0]
 
