@@ -31,7 +31,9 @@
     extern "C" void sluice_gguf_dot_##isa(int, const uint8_t *, int64_t, int64_t, int64_t, \
                                           const int8_t *, const float *, const float *,  \
                                           int64_t, float *, int64_t);                     \
-    extern "C" void sluice_gguf_dequantize_##isa(int, const uint8_t *, int64_t, float *);
+    extern "C" void sluice_gguf_dequantize_##isa(int, const uint8_t *, int64_t, float *); \
+    extern "C" void sluice_gguf_dequantize_bf16_##isa(int, const uint8_t *, int64_t, int64_t, \
+                                                      int64_t, uint16_t *);
 SLUICE_ISAS(SLUICE_DECLARE)
 
 namespace {
@@ -39,7 +41,7 @@ namespace {
 #define SLUICE_ENTRY(isa)                                                                  \
     Variant{#isa, sluice_rms_norm_##isa, sluice_rotary_##isa, sluice_paged_attention_##isa, \
             sluice_lora_add_##isa, sluice_quantize_q8_##isa, sluice_gguf_dot_##isa,         \
-            sluice_gguf_dequantize_##isa},
+            sluice_gguf_dequantize_##isa, sluice_gguf_dequantize_bf16_##isa},
 const Variant kVariants[] = {SLUICE_ISAS(SLUICE_ENTRY)};
 
 // Whether this CPU (and its OS, for the AVX-512 state) runs a variant's instructions; the

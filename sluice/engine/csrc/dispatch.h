@@ -27,6 +27,8 @@ using QuantizeQ8Fn = void (*)(const float *, int64_t, int64_t, int64_t, int8_t *
 using GgufDotFn = void (*)(int, const uint8_t *, int64_t, int64_t, int64_t, const int8_t *,
                            const float *, const float *, int64_t, float *, int64_t);
 using GgufDequantizeFn = void (*)(int, const uint8_t *, int64_t, float *);
+using GgufDequantizeBf16Fn = void (*)(int, const uint8_t *, int64_t, int64_t, int64_t,
+                                      uint16_t *);
 
 struct Variant {
     const char *name;
@@ -37,6 +39,7 @@ struct Variant {
     QuantizeQ8Fn quantize_q8;
     GgufDotFn gguf_dot;
     GgufDequantizeFn gguf_dequantize;
+    GgufDequantizeBf16Fn gguf_dequantize_bf16;
 };
 
 // The variant in use (the best this CPU runs, or the one select_cpu_isa chose).

@@ -133,6 +133,33 @@ void SLUICE_KERNEL(gguf_dot)(int type, const uint8_t *w, int64_t w_stride, int64
 #endif
 }
 
+void SLUICE_KERNEL(gguf_dequantize)(int type, const uint8_t *w, int64_t nb, float *out);
+
+/* float32 -> bfloat16, rounding to nearest even (NaN kept a NaN), as torch converts. */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* `count` weight rows of nb blocks (stride bytes apart) as bfloat16, row after row: the
+ * tile a batch's rows multiply in bf16 (gguf_bindings.cpp). */
+void SLUICE_KERNEL(gguf_dequantize_bf16)(int type, const uint8_t *w, int64_t stride,
+                                         int64_t count, int64_t nb, uint16_t *out) {
+#if defined(__AVX512VNNI__)
+    vnni_dequantize_bf16(type, w, stride, count, nb, out);
+    return;
+#endif
+    float row[QK];
+    for (int64_t i = 0; i < count; i++)
+        for (int64_t b = 0; b < nb; b++) {
+            SLUICE_KERNEL(gguf_dequantize)(type, w + i * stride + b * (type == GGUF_Q4_0 ? 18
+                                           : type == GGUF_Q4_1 ? 20 : 34), 1, row);
+            for (int j = 0; j < QK; j++) out[(i * nb + b) * QK + j] = to_bf16(row[j]);
+        }
+}
+
 /* One weight row of nb blocks as float32 (an embedding lookup; the tests' reference). */
 void SLUICE_KERNEL(gguf_dequantize)(int type, const uint8_t *w, int64_t nb, float *out) {
     for (int64_t b = 0; b < nb; b++, out += QK) {

@@ -1,14 +1,16 @@
 // GGUF's quantized weights as torch ops (gguf.c says how they multiply):
-//   torch.ops.sluice.gguf_linear(x, w, type) -> y: float32 [rows, n] = x [rows, k] W^T, for x
-//     float32 or bfloat16 (rows contiguous) and W the file's blocks, uint8 [n, bytes per row];
+//   torch.ops.sluice.gguf_linear(x, w, type) -> y [rows, n] = x [rows, k] W^T, in x's dtype
+//     (float32 or bfloat16) for W the file's blocks, uint8 [n, bytes per row];
 //   torch.ops.sluice.gguf_dequantize(w, type, ids) -> float32 [len(ids), k]: rows of W (an
 //     embedding lookup).
 // Types are GGMLQuantizationType values: Q4_0 (2), Q4_1 (3), Q8_0 (8).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "dispatch.h"
@@ -39,14 +41,46 @@ int64_t blocks_per_row(const at::Tensor &w, int64_t type) {
     return w.size(1) / bytes;
 }
 
+// A batch of more rows multiplies a tile of dequantized weights (kTileOuts output features
+// at a time, in x's dtype: float32 exactly as the gguf package dequantizes, bfloat16 rounded
+// from it) with torch's GEMM, so each weight block is dequantized once for every row; fewer
+// rows take the integer dot products, reading the blocks as stored.
+constexpr int64_t kMaxDotRows = 4;
+constexpr int64_t kTileOuts = 2048;
+
+at::Tensor tiled(const at::Tensor &x, const at::Tensor &w, int64_t type, int64_t nb) {
+    const int64_t n = w.size(0), k = nb * kBlock, stride = w.size(1);
+    const Variant &v = current();
+    at::Tensor y = at::empty({x.size(0), n}, x.options());
+    for (int64_t start = 0; start < n; start += kTileOuts) {
+        const int64_t count = std::min(kTileOuts, n - start);
+        at::Tensor tile = at::empty({count, k}, x.options());
+        const uint8_t *wp = in<uint8_t>(w) + start * stride;
+        const bool bf16 = x.scalar_type() == at::kBFloat16;
+        at::parallel_for(0, count, kOutsPerTask, [&](int64_t begin, int64_t end) {
+            if (bf16) {
+                v.gguf_dequantize_bf16(static_cast<int>(type), wp + begin * stride, stride,
+                                       end - begin, nb, out_of<uint16_t>(tile) + begin * k);
+                return;
+            }
+            for (int64_t i = begin; i < end; i++)
+                v.gguf_dequantize(static_cast<int>(type), wp + i * stride, nb,
+                                  out_of<float>(tile) + i * k);
+        });
+        y.narrow(1, start, count).copy_(at::linear(x, tile));
+    }
+    return y;
+}
+
 at::Tensor gguf_linear(const at::Tensor &x, const at::Tensor &w, int64_t type) {
     check_cpu(x, "x");
     const int64_t nb = blocks_per_row(w, type), k = nb * kBlock, n = w.size(0);
     TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x: [rows, ", k, "]");
     TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
                 "x: float32 or bfloat16");
-    const at::Tensor xf = x.to(at::kFloat).contiguous();
     const int64_t rows = x.size(0);
+    if (rows > kMaxDotRows) return tiled(x, w, type, nb);
+    const at::Tensor xf = x.to(at::kFloat).contiguous();
     at::Tensor q = at::empty({rows, k}, x.options().dtype(at::kChar));
     at::Tensor d = at::empty({rows, nb}, x.options().dtype(at::kFloat));
     at::Tensor s = at::empty({rows, nb}, x.options().dtype(at::kFloat));
@@ -65,7 +99,7 @@ at::Tensor gguf_linear(const at::Tensor &x, const at::Tensor &w, int64_t type) {
         v.gguf_dot(static_cast<int>(type), wp + begin * stride, stride, end - begin, nb, qp, dp,
                    sp, rows, yp + begin, n);
     });
-    return y;
+    return y.to(x.scalar_type());
 }
 
 at::Tensor gguf_dequantize(const at::Tensor &w, int64_t type, const at::Tensor &ids) {
