@@ -169,8 +169,6 @@ REFUSED = [
     (_with(_cpu(3, {"cpu": "8"}), engine__lora={}), tp.LORA),
     (_with(_cpu(3, {"cpu": "8"}), loras=[{"name": "a", "source": {"image": {"path": "/a"}}}]),
      tp.LORA),
-    (_with(_cpu(3, {"cpu": "8"}), engine__speculative={
-        "method": "early_exit", "numSpeculativeTokens": 2, "numLayers": 4}), tp.EARLY_EXIT),
     (_with(_gpu("sluice", 6), model__shape=LLAMA_70B), tp.SHAPE_HEADS),
     (_with(_gpu("sluice", 8), model__shape={**LLAMA_70B, "intermediateSize": 1004}),
      tp.SHAPE_MLP),

@@ -149,8 +149,7 @@ class EngineConfig:
         if self.parallel.tensor_parallel_size == 1:
             return
         refused = {"--enable-lora": self.lora is not None,
-                   "--speculative-config with method early_exit": (
-                       self.speculative is not None and self.speculative.method == "early_exit")}
+}
         for flag, given in refused.items():
             if given:
                 raise ValueError(f"{flag} is not supported with --tensor-parallel-size > 1")

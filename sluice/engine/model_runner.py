@@ -132,20 +132,24 @@ class ModelRunner:
         None). Every tensor-parallel rank runs it on the same step; only rank 0 gets logits,
         the others None."""
         graphs = self.decode_graphs
-        if graphs is not None and step.is_decode and len(step.seq_lens) <= graphs.max_batch:
+        if (graphs is not None and step.is_decode and not step.num_layers
+                and len(step.seq_lens) <= graphs.max_batch):
             hidden = graphs.run(step.input_ids, step.positions, step.slots, step.seq_lens,
                                 step.block_tables)
         else:
             hidden = self._forward(step.input_ids, step.positions, step.slots,
-                                   step.query_start_loc, step.seq_lens, step.block_tables)
+                                   step.query_start_loc, step.seq_lens, step.block_tables,
+                                   step.num_layers)
         return [self.model.compute_logits(hidden[to_device(rows, torch.long, self.device)])
                 if rows else None for rows in step.logit_rows]
 
-    def _forward(self, input_ids, positions, slots, query_start_loc, seq_lens, block_tables):
+    def _forward(self, input_ids, positions, slots, query_start_loc, seq_lens, block_tables,
+                 num_layers: int = 0):
         meta = build_metadata(slots, query_start_loc, seq_lens, block_tables, self.device)
         dev = self.device
         return self.model(to_device(input_ids, torch.long, dev),
-                          to_device(positions, torch.long, dev), self.kv_caches, meta)
+                          to_device(positions, torch.long, dev), self.kv_caches, meta,
+                          num_layers)
 
     @torch.inference_mode()
     def profile_step_peak(self, num_tokens: int, num_logit_rows: int) -> int:

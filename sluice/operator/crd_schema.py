@@ -152,8 +152,7 @@ def engine_schema() -> Schema:
                      "engine.kvCacheMemory is only for kind sluice"),
                  cel("self.kind == 'sluice' || !has(self.speculative) || "
                      "self.speculative.method != 'early_exit'",
-                     "engine.speculative early_exit is only for kind sluice"),
-                 crd_tp.EARLY_EXIT_RULE),
+                     "engine.speculative early_exit is only for kind sluice")),
     )
 
 

@@ -40,11 +40,6 @@ def model_shape_schema() -> Schema:
         required=["numAttentionHeads", "intermediateSize"])
 
 
-# The engine-level rule (self: spec.engine).
-EARLY_EXIT_RULE = cel("self.tensorParallelSize == 1 || !has(self.speculative) || "
-                      "self.speculative.method != 'early_exit'", tp.EARLY_EXIT)
-
-
 def _on_resources(condition: str) -> str:
     """`condition` (on the map `$m`) for spec.resources.limits and .requests, each true where
     it is absent."""

@@ -40,8 +40,6 @@ DEFAULT_MODEL_SIZES = DEFAULT_MODEL_SHAPE.sizes(MAX_SIZE)
 LORA = ("spec.engine.tensorParallelSize > 1 cannot be combined with LoRA (spec.engine.lora "
         "or spec.loras) on engine kind sluice: the sluice engine refuses --enable-lora with "
         "--tensor-parallel-size > 1")
-EARLY_EXIT = ("spec.engine.speculative early_exit cannot be combined with "
-              "spec.engine.tensorParallelSize > 1: the sluice engine refuses it")
 DEFAULT_MODEL = (
     f"spec.engine.tensorParallelSize must be one of {', '.join(map(str, DEFAULT_MODEL_SIZES))} "
     f"for the built-in default model (no spec.model.source): {DEFAULT_SERVED_MODEL_NAME} has "
@@ -78,7 +76,6 @@ def check(pool: PoolSpec) -> None:
     shape = pool.model_shape
     refused = [
         (sluice and pool.lora is not None, LORA),
-        (dict(pool.engine.speculative or ()).get("method") == "early_exit", EARLY_EXIT),
         (pool.source is None and n not in DEFAULT_MODEL_SIZES, DEFAULT_MODEL),
         (shape is not None and shape.num_attention_heads % n != 0, SHAPE_HEADS),
         (shape is not None and shape.intermediate_size % n != 0, SHAPE_MLP),

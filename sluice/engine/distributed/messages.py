@@ -21,6 +21,7 @@ class StepInput(msgspec.Struct, tag="step", array_like=True):
     seq_lens: list[int]  # each sequence's length after the step
     block_tables: list[list[int]]
     logit_rows: list[list[int]]  # row sets whose logits are computed, in order
+    num_layers: int = 0  # run the first this many layers only (an early-exit draft); 0: all
 
     @property
     def is_decode(self) -> bool:

@@ -62,10 +62,14 @@ class CausalLM(nn.Module):
         self.lm_head = head(self.model.embed_tokens, cfg.tie_word_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                num_layers: int = 0) -> torch.Tensor:
+        """`num_layers`: the first this many layers only, then the final norm (an early-exit
+        draft, spec_decode/early_exit.py); 0: every layer."""
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.model.rotary.cos_sin(positions, x.dtype)  # one per step, every layer's
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        layers = self.model.layers[:num_layers] if num_layers else self.model.layers
+        for layer, kv_cache in zip(layers, kv_caches):
             x = layer(cos_sin, x, kv_cache, meta)
         return self.model.norm(x)
 

@@ -22,18 +22,18 @@ from collections.abc import Callable
 
 import torch
 
-from sluice.engine.model_runner import build_metadata
+from sluice.engine.distributed.messages import StepInput
 from sluice.engine.request import Request
 from sluice.engine.sampler import process_logits, sampling_probs
 from sluice.engine.spec_decode.proposer import Proposal
 from sluice.engine.spec_decode.verify import request_view
-from sluice.engine.tensors import to_device
 
-Forward = Callable[[torch.Tensor, torch.Tensor, object], torch.Tensor]  # ids, pos, meta -> logits
+# a step's inputs -> the logits of its rows `logit_rows[0]` (each sequence's last)
+Forward = Callable[[StepInput], torch.Tensor]
 
 
 def draft_tokens(forward: Forward, reqs: list[Request], starts: list[int], num_drafts: list[int],
-                 tables: list[list[int]], block_size: int, device: torch.device) -> Proposal:
+                 tables: list[list[int]], block_size: int) -> Proposal:
     """`forward` returns the logits of the last row of each sequence of the step."""
     drafts: list[list[int]] = [[] for _ in reqs]
     sampled = [not r.params.greedy and r.generator is None for r in reqs]
@@ -59,9 +59,8 @@ def draft_tokens(forward: Forward, reqs: list[Request], starts: list[int], num_d
             slots += [table[p // block_size] * block_size + p % block_size for p in span]
             qsl.append(qsl[-1] + len(span))
             seq_lens.append(span[-1] + 1)
-        meta = build_metadata(slots, qsl, seq_lens, [tables[i] for i in live], device)
-        logits = forward(to_device(ids, torch.long, device), to_device(pos, torch.long, device),
-                         meta)
+        logits = forward(StepInput(ids, pos, slots, qsl, seq_lens, [tables[i] for i in live],
+                                   [[q - 1 for q in qsl[1:]]]))
         views = [request_view(reqs[i], drafts[i]) for i in live]
         logits, _ = process_logits(logits, views, with_logprobs=False)
         tokens = logits.argmax(dim=-1)

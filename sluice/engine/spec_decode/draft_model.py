@@ -20,12 +20,15 @@ import weakref
 import torch
 
 from sluice.engine.attention.backend import kv_cache_shape
+from sluice.engine.distributed.messages import StepInput
 from sluice.engine.loader import load_model
+from sluice.engine.model_runner import build_metadata
 from sluice.engine.models.causal_lm import CausalLM
 from sluice.engine.request import Request
 from sluice.engine.spec_decode.config import SpeculativeConfig
 from sluice.engine.spec_decode.draft_loop import draft_tokens
 from sluice.engine.spec_decode.proposer import Proposal
+from sluice.engine.tensors import to_device
 
 
 class DraftModelProposer:
@@ -51,7 +54,7 @@ class DraftModelProposer:
                 block_tables: list[list[int]]) -> Proposal:
         starts = [self._num_valid(r) for r in reqs]
         proposal = draft_tokens(self._forward, reqs, starts, num_drafts, block_tables,
-                                self.block_size, self.device)
+                                self.block_size)
         for r, d in zip(reqs, proposal.token_ids):
             self._state[r] = (r.num_preemptions, r.num_tokens, d)
         return proposal
@@ -69,6 +72,10 @@ class DraftModelProposer:
             matched += 1
         return min(valid + matched, req.num_tokens - 1)
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        return self.model.compute_logits(hidden[[q - 1 for q in meta.query_start_loc_cpu[1:]]])
+    def _forward(self, step: StepInput) -> torch.Tensor:
+        dev = self.device
+        meta = build_metadata(step.slots, step.query_start_loc, step.seq_lens,
+                              step.block_tables, dev)
+        hidden = self.model(to_device(step.input_ids, torch.long, dev),
+                            to_device(step.positions, torch.long, dev), self.kv_caches, meta)
+        return self.model.compute_logits(hidden[step.logit_rows[0]])

@@ -14,34 +14,32 @@ from __future__ import annotations
 
 import torch
 
-from sluice.engine.models.causal_lm import CausalLM
+from sluice.engine.distributed.messages import StepInput
 from sluice.engine.request import Request
 from sluice.engine.spec_decode.draft_loop import draft_tokens
 from sluice.engine.spec_decode.proposer import Proposal
 
 
 class EarlyExitProposer:
+    """Drafts through the target's ModelRunner: under tensor parallelism each draft step goes
+    to every rank like a step of the target, with its layer count."""
+
     writes_kv = True
 
-    def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor], num_layers: int,
-                 block_size: int, device: torch.device):
-        total = model.config.num_hidden_layers
+    def __init__(self, runner, num_layers: int):
+        total = runner.model.config.num_hidden_layers
         if not 1 <= num_layers < total:
             raise ValueError(f"early_exit num_layers must be in [1, {total - 1}] for this model")
-        self.model, self.kv_caches, self.num_layers = model, kv_caches[:num_layers], num_layers
-        self.block_size, self.device = block_size, device
+        self.runner, self.num_layers = runner, num_layers
 
     def propose(self, reqs: list[Request], num_drafts: list[int],
                 block_tables: list[list[int]]) -> Proposal:
         starts = [r.num_computed_tokens for r in reqs]
         return draft_tokens(self._forward, reqs, starts, num_drafts, block_tables,
-                            self.block_size, self.device)
+                            self.runner.block_size)
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        body = self.model.model
-        x = body.embed_tokens(input_ids)
-        cos_sin = body.rotary.cos_sin(positions, x.dtype)
-        for layer, kv_cache in zip(body.layers[:self.num_layers], self.kv_caches):
-            x = layer(cos_sin, x, kv_cache, meta)
-        last = [q - 1 for q in meta.query_start_loc_cpu[1:]]
-        return self.model.compute_logits(body.norm(x[last]))
+    def _forward(self, step: StepInput) -> torch.Tensor:
+        step.num_layers = self.num_layers
+        if self.runner.workers is not None:
+            self.runner.workers.broadcast(step)
+        return self.runner.run(step)[0]

@@ -50,8 +50,7 @@ def build_proposer(config: SpeculativeConfig, runner, dtype, device, seed: int) 
     if config.method == "early_exit":
         from sluice.engine.spec_decode.early_exit import EarlyExitProposer
 
-        return EarlyExitProposer(runner.model, runner.kv_caches, config.num_layers,
-                                 runner.block_size, device)
+        return EarlyExitProposer(runner, config.num_layers)
     from sluice.engine.spec_decode.draft_model import DraftModelProposer
 
     return DraftModelProposer(config, runner.model, runner.kv_caches[0].shape[1],
