@@ -85,6 +85,10 @@ def _lora(name: str, path: str = "/adapters/sql") -> dict:
 
 NEGATIVE = [
     ("spec.replicas", -1, "spec.replicas in body should be greater than or equal to 0"),
+    # quantized weights and KV cache: what the sluice engine takes
+    ("spec.engine.quantization", "awq", "engine.quantization: the sluice engine takes gguf only"),
+    ("spec.engine.lora", {}, "needs tensorParallelSize 1 and no engine.lora"),
+    ("spec.engine.kvCacheDtype", "fp8", "engine.kvCacheDtype other than auto needs engine kind"),
     ("spec.model", _DELETE, "spec.model: Required value"),
     ("spec.engine.kind", "tgi", 'Unsupported value: "tgi"'),
     ("spec.engine.blockSize", 17, "Unsupported value: 17"),
@@ -145,6 +149,7 @@ NEGATIVE = [
 
 # What each failing case above needs besides its own change, so that only its rule fails.
 _CONTEXT = {
+    "needs tensorParallelSize 1 and no engine.lora": "gguf",
     "engine.kvCacheMemory is only for kind sluice": {"source": {"image": {"path": "/m"}}},
     "engine.speculative early_exit is only for kind sluice": {"source": {"image": {"path": "/m"}}},
     "a prefill/decode pool autoscales per role": "roles",
@@ -166,6 +171,8 @@ def _negative(path, value, message) -> dict:
             del body["spec"]["replicas"]
             body["spec"]["roles"] = {"prefill": {}, "decode": {}}
             body["spec"]["model"]["source"] = {"image": {"path": "/m"}}
+        elif context == "gguf":
+            body["spec"]["engine"]["quantization"] = "gguf"
         elif context in ("cpus", "tp"):  # a CPU pool with the CPUs 3 ranks need
             body["spec"].setdefault("resources", {}).setdefault("requests", {})["cpu"] = "8"
             if context == "tp":

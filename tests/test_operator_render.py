@@ -269,3 +269,18 @@ def test_engines_take_their_api_key_from_the_configured_secret():
             "name": "engine-key", "key": "k", "optional": True}
     plain = _by_kind(render_pool(PoolSpec.from_body(_example("pool-cpu.yaml"))))
     assert "VLLM_API_KEY" not in {e["name"] for e in _container(plain["Deployment"][0])["env"]}
+
+
+@pytest.mark.parametrize("kind, engine, flags", [
+    ("sluice", {"quantization": "gguf"}, ["--quantization", "gguf"]),
+    ("vllm", {"quantization": "awq", "kvCacheDtype": "fp8"},
+     ["--quantization", "awq", "--kv-cache-dtype", "fp8"]),
+    ("vllm", {"kvCacheDtype": "auto"}, []),
+])
+def test_quantization_and_kv_cache_dtype_are_rendered(kind, engine, flags):
+    from sluice.operator.engine_args import quantization_args
+
+    body = {"metadata": {"name": "p", "namespace": "ns", "uid": "u"},
+            "spec": {"replicas": 1, "model": {"name": "m", "source": {"image": {"path": "/m"}}},
+                     "engine": {"kind": kind, **engine}}}
+    assert quantization_args(PoolSpec.from_body(body)) == flags

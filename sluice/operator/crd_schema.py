@@ -11,7 +11,7 @@ so a spec that passed the API server always parses.
 
 from __future__ import annotations
 
-from sluice.operator import crd_lora, crd_tp
+from sluice.operator import crd_lora, crd_quant, crd_tp
 from sluice.operator.crd_types import (
     Schema,
     cel,
@@ -146,13 +146,15 @@ def engine_schema() -> Schema:
             "speculative": speculative_schema(),
             "lora": crd_lora.lora_config_schema(),
             "tensorParallelSize": crd_tp.size_schema(),
+            **crd_quant.props(),
         },
         defaulted=True,
         **rules(cel("self.kind == 'sluice' || !has(self.kvCacheMemory)",
                      "engine.kvCacheMemory is only for kind sluice"),
                  cel("self.kind == 'sluice' || !has(self.speculative) || "
                      "self.speculative.method != 'early_exit'",
-                     "engine.speculative early_exit is only for kind sluice")),
+                     "engine.speculative early_exit is only for kind sluice"),
+                 *crd_quant.rules()),
     )
 
 

@@ -63,7 +63,7 @@ def sluice_args(pool: PoolSpec, resources: Resources) -> list[str]:
         args += ["--kv-cache-memory", e.kv_cache_memory]
     if not e.prefix_caching:
         args.append("--no-prefix-caching")
-    return args + tensor_parallel_args(pool, resources) + list(e.args)
+    return args + quantization_args(pool) + tensor_parallel_args(pool, resources) + list(e.args)
 
 
 def vllm_args(pool: PoolSpec, resources: Resources) -> list[str]:
@@ -89,7 +89,14 @@ def vllm_args(pool: PoolSpec, resources: Resources) -> list[str]:
         args += ["--max-model-len", str(e.max_model_len)]
     if e.gpu_memory_utilization is not None:
         args += ["--gpu-memory-utilization", str(e.gpu_memory_utilization)]
-    return args + tensor_parallel_args(pool, resources) + list(e.args)
+    return args + quantization_args(pool) + tensor_parallel_args(pool, resources) + list(e.args)
+
+
+def quantization_args(pool: PoolSpec) -> list[str]:
+    """`--quantization` and `--kv-cache-dtype` where the pool names them (both kinds)."""
+    e = pool.engine
+    args = ["--quantization", e.quantization] if e.quantization else []
+    return args + (["--kv-cache-dtype", e.kv_cache_dtype] if e.kv_cache_dtype != "auto" else [])
 
 
 def tensor_parallel_args(pool: PoolSpec, resources: Resources) -> list[str]:

@@ -115,6 +115,8 @@ class EngineSpec:
     speculative: tuple[tuple[str, Any], ...] | None = None
     lora: LoraConfig | None = None  # spec.engine.lora as given (see PoolSpec.lora)
     tensor_parallel_size: int = 1  # ranks per engine (tensor_parallel.py)
+    quantization: str | None = None  # --quantization (crd_quant.py)
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype
 
 
 @dataclass(frozen=True)
@@ -223,6 +225,7 @@ def _engine(e: Mapping[str, Any]) -> EngineSpec:
         speculative=_speculative(e.get("speculative"), e.get("kind", "sluice")),
         lora=parse_lora_config(e.get("lora")),
         tensor_parallel_size=int(e.get("tensorParallelSize", 1)),
+        quantization=e.get("quantization"), kv_cache_dtype=e.get("kvCacheDtype", "auto"),
     )
 
 

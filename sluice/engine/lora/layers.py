@@ -12,7 +12,6 @@ none, and the layer is the base linear.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -57,7 +56,7 @@ class LoRALinear(ColumnParallelLinear):
         super().__init__(in_features, column_shards(parts, SINGLE), bias, SINGLE)
         self.ctx = ctx
         self.part_names, self.part_sizes = tuple(parts), tuple(parts.values())
-        self.part_offsets = tuple(itertools.accumulate(self.part_sizes, initial=0))[:-1]
+        self.part_offsets = tuple(self.local_offsets.values())
         self.lora_a: torch.Tensor | None = None  # [slots, parts * rank, in]
         self.lora_b: torch.Tensor | None = None  # [slots, parts * rank, out], block-diagonal
 

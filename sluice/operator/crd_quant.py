@@ -1,0 +1,41 @@
+"""OpenAPI v3 schema of quantized weights and KV cache in `spec.engine`: `quantization`
+(`--quantization`) and `kvCacheDtype` (`--kv-cache-dtype`), and the CEL rules for what the
+sluice engine takes: GGUF blocks kept (`gguf`), on one rank and without LoRA adapters, and
+a KV cache in the model's dtype. vLLM takes its own methods and an fp8 KV cache.
+"""
+
+from __future__ import annotations
+
+from sluice.operator.crd_types import Schema, cel, prop
+
+# vLLM's --quantization methods people deploy, and the sluice engine's (gguf)
+QUANTIZATIONS = ("gguf", "awq", "awq_marlin", "gptq", "gptq_marlin", "fp8", "compressed-tensors",
+                 "bitsandbytes")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def props() -> dict[str, Schema]:
+    return {
+        "quantization": prop(
+            "string", "How the weights are quantized (--quantization). The sluice engine "
+            "takes gguf: a GGUF model file's Q4_0 / Q4_1 / Q8_0 blocks kept and multiplied as "
+            "stored; vLLM takes its methods (awq, gptq, fp8, ...). Default: the weights as "
+            "the model stores them, dequantized to dtype.", enum=list(QUANTIZATIONS)),
+        "kvCacheDtype": prop(
+            "string", "The KV cache's type (--kv-cache-dtype): auto (dtype) or, on vLLM, fp8 "
+            "(half the memory per token).", enum=list(KV_CACHE_DTYPES), default="auto"),
+    }
+
+
+def rules() -> list[Schema]:
+    """Engine-level rules (self: spec.engine)."""
+    sluice_gguf = "self.kind != 'sluice' || !has(self.quantization) || "
+    return [
+        cel(sluice_gguf + "self.quantization == 'gguf'",
+            "engine.quantization: the sluice engine takes gguf only"),
+        cel(sluice_gguf + "(self.tensorParallelSize == 1 && !has(self.lora))",
+            "engine.quantization gguf on the sluice engine needs tensorParallelSize 1 and no "
+            "engine.lora"),
+        cel("self.kind != 'sluice' || self.kvCacheDtype == 'auto'",
+            "engine.kvCacheDtype other than auto needs engine kind vllm"),
+    ]
