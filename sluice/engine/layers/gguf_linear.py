@@ -1,8 +1,10 @@
 """Layers over GGUF's quantized blocks as the file stores them (`--quantization gguf`):
-the weights stay the file's bytes, a third of bf16's for 4-bit types, and every call
-multiplies them as they are (csrc/gguf.c: activations rounded to 8 bits per block of 32,
-integer dot products, llama.cpp's scheme). Tensors of a type without a kernel (F32, F16,
-BF16, the K-quants) are dequantized at load into the engine dtype and multiplied by torch.
+the weights stay the file's bytes, a third of bf16's for 4-bit types. A call of a few rows
+(a decode) multiplies the blocks as they are (csrc/gguf.c: activations rounded to 8 bits
+per block of 32, integer dot products, llama.cpp's scheme); more rows go through a tile of
+dequantized weights made for the call (gguf_bindings.cpp). Tensors of a type without a
+kernel (F32, F16, BF16, the K-quants) are dequantized at load into the engine dtype and
+multiplied by torch.
 
 - `GGUFLinear`: a projection whose output is its parts (transformers' names) concatenated;
   consecutive parts of one type share one kernel call.
