@@ -41,7 +41,7 @@ SOURCES = {
 VARIANTS = {
     "x86_64": {"portable": ["-march=x86-64"], "avx2": ["-march=x86-64-v3"],
                "avx512": ["-march=x86-64-v4"],
-               "avx512bf16": ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"]},
+               "avx512bf16": ["-march=x86-64-v4", "-mavx512bf16"]},
     "aarch64": {"portable": ["-march=armv8-a"]},
 }
 

@@ -3,12 +3,11 @@ the opening of the Declaration of Independence, 323 tokens), bf16: with the GGUF
 kept (`--quantization gguf`) it stays close to the dequantized weights', through the
 integer dot products (steps of 4 tokens, a decode's path) and through tiles (one prefill).
 Measured at the time of writing, dequantized / integer path per kernel build: avx512bf16
-(with VNNI) 8.848 / 8.927 (+0.9 %), avx512 8.782 / 8.994 (+2.4 %), avx2 8.764 / 8.997 (+2.7 %),
-portable 8.828 / 8.940 (+1.3 %); tiles equal the dequantized weights. The dequantized
-perplexity itself moves by 1 % between builds (their attention and norm kernels round
-differently), so on this text issue 38's 1 % sits inside the floor: the bound here is
-3 %, the largest gap measured, and the activations' rounding to 8 bits per block is the
-whole difference."""
+8.848 / 8.791 (-0.7 %), avx512 8.782 / 8.886 (+1.2 %), avx2 8.764 / 8.958 (+2.2 %), portable
+8.828 / 8.940 (+1.3 %); tiles equal the dequantized weights. The dequantized perplexity
+itself moves by 1 % between builds (their attention and norm kernels round differently),
+so on this text issue 38's 1 % sits inside the floor: the bound here is 3 %, and the
+activations' rounding to 8 bits per block is the whole difference."""
 
 from __future__ import annotations
 

@@ -53,8 +53,7 @@ bool runs(const std::string &isa) {
     if (isa == "avx2") return __builtin_cpu_supports("x86-64-v3");
     if (isa == "avx512") return __builtin_cpu_supports("x86-64-v4");
     if (isa == "avx512bf16")
-        return __builtin_cpu_supports("x86-64-v4") && __builtin_cpu_supports("avx512bf16") &&
-               __builtin_cpu_supports("avx512vnni");
+        return __builtin_cpu_supports("x86-64-v4") && __builtin_cpu_supports("avx512bf16");
 #endif
     return false;
 }

@@ -12,8 +12,9 @@
  *
  * gguf_dot computes a range of output features for every activation row, weight row by
  * weight row, so a weight row is read from memory once per call and stays in cache while
- * each activation row uses it (a batch reuses the block; batch 1 streams the weights once).
- * Every row's result is a float32 sum over the blocks in order. */
+ * each activation row uses it (batch 1 streams the weights once). Every row's result is a
+ * float32 sum over the blocks. With AVX2 a block is one 256-bit step (gguf_avx2.h); the
+ * portable loops run elsewhere. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -109,8 +110,11 @@ static float row_q8_0(const uint8_t *w, int64_t nb, const int8_t *q, const float
     return acc;
 }
 
-#if defined(__AVX512VNNI__)
-#include "gguf_vnni.h"
+#if defined(__AVX2__) && defined(__FMA__)
+#include "gguf_avx2.h"
+#endif
+#if defined(__AVX512BF16__)
+#include "gguf_bf16.h"
 #endif
 
 /* y[r, o] for o in [0, outs) of the weight rows w (w_stride bytes apart, nb blocks each)
@@ -123,8 +127,8 @@ void SLUICE_KERNEL(gguf_dot)(int type, const uint8_t *w, int64_t w_stride, int64
         type == GGUF_Q4_0 ? row_q4_0 : type == GGUF_Q4_1 ? row_q4_1
                                      : type == GGUF_Q8_0 ? row_q8_0 : 0;
     if (!row) return;
-#if defined(__AVX512VNNI__)
-    vnni_dot(type, w, w_stride, outs, nb, q, d, s, rows, y, y_stride);
+#if defined(__AVX2__) && defined(__FMA__)
+    avx2_dot(type, w, w_stride, outs, nb, q, d, s, rows, y, y_stride);
 #else
     for (int64_t o = 0; o < outs; o++)
         for (int64_t r = 0; r < rows; r++)
@@ -147,8 +151,8 @@ static inline uint16_t to_bf16(float f) {
  * tile a batch's rows multiply in bf16 (gguf_bindings.cpp). */
 void SLUICE_KERNEL(gguf_dequantize_bf16)(int type, const uint8_t *w, int64_t stride,
                                          int64_t count, int64_t nb, uint16_t *out) {
-#if defined(__AVX512VNNI__)
-    vnni_dequantize_bf16(type, w, stride, count, nb, out);
+#if defined(__AVX512BF16__)
+    avx512_dequantize_bf16(type, w, stride, count, nb, out);
     return;
 #endif
     float row[QK];
