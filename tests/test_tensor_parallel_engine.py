@@ -175,16 +175,22 @@ def test_what_tensor_parallelism_does_not_serve_is_refused():
         _config("tiny-llama", 2, lora=LoRAConfig())
 
 
-def test_a_dead_worker_ends_the_engine_with_exit_code_1(tmp_path):
+def _two_rank_server(tmp_path) -> tuple[EngineProcess, int, int]:
+    """A served two-rank engine: (the server, its engine core's pid, its worker's pid)."""
     engine = EngineProcess("--model", "tiny-llama", "--load-format", "dummy",
                            "--num-kv-blocks", "64", "--tensor-parallel-size", "2",
                            "--num-threads", "1", log_path=tmp_path / "engine.log").wait_ready()
+    core = _core_of(engine.proc.pid)
+    workers = _workers_of(core)
+    assert len(workers) == 1, "one worker: rank 1"
+    return engine, core, workers[0]
+
+
+def test_a_dead_worker_ends_the_engine_with_exit_code_1(tmp_path):
+    engine, core, worker = _two_rank_server(tmp_path)
     try:
-        core = _core_of(engine.proc.pid)
-        workers = _workers_of(core)
-        assert len(workers) == 1, "one worker: rank 1"
         started = time.monotonic()
-        os.kill(workers[0], signal.SIGKILL)
+        os.kill(worker, signal.SIGKILL)
         assert engine.proc.wait(timeout=30) == 1
         assert time.monotonic() - started < 10
         assert _gone(core, 5)
@@ -195,16 +201,11 @@ def test_a_dead_worker_ends_the_engine_with_exit_code_1(tmp_path):
 
 
 def test_a_worker_dies_with_its_engine(tmp_path):
-    engine = EngineProcess("--model", "tiny-llama", "--load-format", "dummy",
-                           "--num-kv-blocks", "64", "--tensor-parallel-size", "2",
-                           "--num-threads", "1", log_path=tmp_path / "engine.log").wait_ready()
+    engine, core, worker = _two_rank_server(tmp_path)
     try:
-        core = _core_of(engine.proc.pid)
-        workers = _workers_of(core)
-        assert len(workers) == 1, "one worker: rank 1"
         engine.proc.kill()
         engine.proc.wait()
-        assert _gone(core, 15) and _gone(workers[0], 15)
+        assert _gone(core, 15) and _gone(worker, 15)
     finally:
         engine.stop()
 

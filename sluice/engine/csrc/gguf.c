@@ -24,6 +24,12 @@
 enum { GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q8_0 = 8 }; /* GGMLQuantizationType values */
 #define QK 32
 
+/* Bytes of one block of a type with a kernel (Q4_0: half d + 16 code bytes; Q4_1: half d,
+ * half m + 16; Q8_0: half d + 32). */
+static inline int64_t block_bytes(int type) {
+    return type == GGUF_Q4_0 ? 18 : type == GGUF_Q4_1 ? 20 : 34;
+}
+
 #if defined(__F16C__)
 #include <immintrin.h>
 static inline float half(const uint8_t *p) {
@@ -158,8 +164,7 @@ void SLUICE_KERNEL(gguf_dequantize_bf16)(int type, const uint8_t *w, int64_t str
     float row[QK];
     for (int64_t i = 0; i < count; i++)
         for (int64_t b = 0; b < nb; b++) {
-            SLUICE_KERNEL(gguf_dequantize)(type, w + i * stride + b * (type == GGUF_Q4_0 ? 18
-                                           : type == GGUF_Q4_1 ? 20 : 34), 1, row);
+            SLUICE_KERNEL(gguf_dequantize)(type, w + i * stride + b * block_bytes(type), 1, row);
             for (int j = 0; j < QK; j++) out[(i * nb + b) * QK + j] = to_bf16(row[j]);
         }
 }

@@ -23,7 +23,7 @@ static inline float hsum8(__m256 v) {
 static void avx2_dot(int type, const uint8_t *w, int64_t w_stride, int64_t outs, int64_t nb,
                      const int8_t *q, const float *d, const float *s, int64_t rows, float *y,
                      int64_t y_stride) {
-    const int64_t bytes = type == GGUF_Q4_0 ? 18 : type == GGUF_Q4_1 ? 20 : 34;
+    const int64_t bytes = block_bytes(type);
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t o = 0; o < outs; o++) {
         const uint8_t *wr = w + o * w_stride;

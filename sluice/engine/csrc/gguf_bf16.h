@@ -12,7 +12,7 @@ static inline void store_bf16(uint16_t *out, __m512 v) {
  * path computes them (a product, then a sum: no fused multiply-add), 16 lanes at a time. */
 static void avx512_dequantize_bf16(int type, const uint8_t *w, int64_t stride, int64_t count,
                                  int64_t nb, uint16_t *out) {
-    const int64_t bytes = type == GGUF_Q4_0 ? 18 : type == GGUF_Q4_1 ? 20 : 34;
+    const int64_t bytes = block_bytes(type);
     const __m128i m15 = _mm_set1_epi8(15);
     for (int64_t i = 0; i < count; i++)
         for (int64_t b = 0; b < nb; b++, out += QK) {
