@@ -142,8 +142,14 @@ def test_bad_calls_are_errors_not_reads_out_of_bounds(ops):
     cache = torch.zeros(kv_cache_shape(4, 16, 2, 64))
     table = torch.zeros(1, 4, dtype=torch.int32)
     ints = [torch.zeros(1, dtype=torch.int32) for _ in range(4)]
-    with pytest.raises(RuntimeError, match="one dtype"):
+    with pytest.raises(RuntimeError, match="out: q's dtype"):
         ops.paged_attention(q, q.bfloat16(), cache[0], cache[1], table, *ints, 1.0)
+    with pytest.raises(RuntimeError, match="q's dtype or float8"):
+        ops.paged_attention(q, q.clone(), cache[0].bfloat16(), cache[1].bfloat16(), table,
+                            *ints, 1.0)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        ops.paged_attention(q, q.clone(), cache[0].to(torch.float8_e4m3fn), cache[1], table,
+                            *ints, 1.0)
     with pytest.raises(RuntimeError, match="int32"):
         ops.paged_attention(q, q.clone(), cache[0], cache[1], table, ints[0], ints[1],
                             ints[2], torch.zeros(2, dtype=torch.int32), 1.0)

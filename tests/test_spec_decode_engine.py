@@ -13,6 +13,7 @@ import json
 import random
 
 import pytest
+import torch
 from prometheus_client import generate_latest
 
 from sluice.engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -34,10 +35,11 @@ METHODS = {
 
 
 def make_engine(spec: dict | None, num_blocks=512, block_size=4, budget=64, threshold=0,
-                max_num_seqs=16, events=False) -> LLMEngine:
+                max_num_seqs=16, events=False, cache_dtype="auto") -> LLMEngine:
     cfg = EngineConfig(
         model="tiny-llama", served_model_name="t", load_format="dummy", dtype="float32",
-        device="cpu", cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+        device="cpu", cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                                        cache_dtype=cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                   long_prefill_token_threshold=threshold),
         speculative=SpeculativeConfig.from_dict(spec) if spec else None)
@@ -88,15 +90,19 @@ def test_greedy_equals_plain(method, plain_greedy):
         assert llm.metrics.spec_accepted._value.get() == llm.metrics.spec_draft_tokens._value.get()
 
 
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("method", ["ngram", "draft_same", "early_exit"])
-def test_chunked_prefill_prefix_hits_and_preemption(method):
+def test_chunked_prefill_prefix_hits_and_preemption(method, cache_dtype):
     """Few blocks (preemptions), a small budget and a prefill cap (chunks), a shared
-    prefix (hits): same output as the plain engine under the same pressure."""
-    kw = {"num_blocks": 24, "budget": 12, "threshold": 5}
+    prefix (hits): same output as the plain engine under the same pressure, with the KV
+    cache in the model's dtype or in fp8 (the draft model's cache too)."""
+    kw = {"num_blocks": 24, "budget": 12, "threshold": 5, "cache_dtype": cache_dtype}
     prompts = workload(10, seed=1)
     plain = make_engine(None, **kw)
     want = run(plain, prompts, GREEDY)
     llm = make_engine(METHODS[method], **kw)
+    assert {c.dtype for c in llm.runner.kv_caches} == {
+        torch.float8_e4m3fn if cache_dtype == "fp8" else torch.float32}
     assert run(llm, prompts, GREEDY) == want
     assert llm.scheduler.num_preemptions_total > 0
     assert llm.metrics.prefix_hits._value.get() > 0

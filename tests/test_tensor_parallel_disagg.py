@@ -1,7 +1,7 @@
 """Disaggregated prefill/decode with a tensor-parallel engine on either side: the wire
 carries every KV head, so a two-rank engine's blocks (each rank holding half the heads)
-reach a one-rank engine and back, and the decode leg's greedy tokens equal one engine's.
-Real `sluice engine` processes over loopback, float32."""
+reach a one-rank engine and back, and the decode leg's greedy tokens equal one engine's,
+with the caches in float32 or fp8. Real `sluice engine` processes over loopback, float32."""
 
 from __future__ import annotations
 
@@ -15,18 +15,19 @@ from test_kv_transfer_engines import BS, LONG, MODEL, plain, two_legs
 pytestmark = pytest.mark.slow  # engine processes
 
 
-def _start(model, tp: int) -> EngineProcess:
+def _start(model, tp: int, cache_dtype: str) -> EngineProcess:
     kv = json.dumps({"kv_connector": "SluiceConnector", "kv_role": "kv_both", "kv_port": 0})
     return EngineProcess("--model", str(model), "--served-model-name", MODEL,
                          "--dtype", "float32", "--num-kv-blocks", "256", "--block-size",
                          str(BS), "--max-model-len", "1024", "--max-num-batched-tokens", "64",
                          "--num-threads", "1", "--tensor-parallel-size", str(tp),
-                         "--kv-transfer-config", kv)
+                         "--kv-cache-dtype", cache_dtype, "--kv-transfer-config", kv)
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_chat_model):
-    started = [_start(tiny_chat_model, 2), _start(tiny_chat_model, 1)]
+@pytest.fixture(scope="module", params=["auto", "fp8"])
+def engines(tiny_chat_model, request):
+    started = [_start(tiny_chat_model, 2, request.param),
+               _start(tiny_chat_model, 1, request.param)]
     try:
         yield tuple(e.wait_ready() for e in started)
     finally:

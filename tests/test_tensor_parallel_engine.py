@@ -46,6 +46,12 @@ def test_two_ranks_emit_what_one_rank_emits(model):
     assert _generate(_config(model, 2), PROMPTS) == _generate(_config(model, 1), PROMPTS)
 
 
+def test_two_ranks_with_an_fp8_cache_emit_what_one_rank_emits():
+    fp8 = CacheConfig(num_blocks=64, block_size=4, cache_dtype="fp8")
+    two, one = (_config("tiny-llama", n, cache=fp8) for n in (2, 1))
+    assert _generate(two, PROMPTS) == _generate(one, PROMPTS)
+
+
 def test_the_default_model_over_three_ranks_emits_what_one_rank_emits():
     """SmolLM2-135M has 9 heads and 3 KV heads: it splits over 3 ranks, not 2."""
     prompts = [[1, 504, 3458, 282, 4649, 314], [1, 2683, 314, 216, 34, 1232, 216, 34]]

@@ -253,7 +253,8 @@ from sluice.engine.attention import triton_kernels as K
 from sluice.engine.attention.triton_backend import TritonAttentionBackend
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+         torch.float8_e4m3fn: "fp8e4nv"}
 TARGET = GPUTarget("cuda", 90, 32)
 
 
@@ -275,9 +276,12 @@ def compile_checked(fn, types, consts, num_warps, label):
 
 backend = TritonAttentionBackend(target_programs=264)  # 2 x 132 SMs
 cuda = torch.device("cuda")
-# (label, num_tokens, num_seqs, heads, kv_heads, head_dim, block_size, dtype)
-for label, t, s, h, kvh, d, bs, dt in [
+FP8 = torch.float8_e4m3fn
+# (label, num_tokens, num_seqs, heads, kv_heads, head_dim, block_size, dtype[, cache dtype])
+for label, t, s, h, kvh, d, bs, dt, *kv in [
     ("llama8b decode b1", 1, 1, 32, 8, 128, 16, torch.bfloat16),
+    ("llama8b decode b1 fp8 kv", 1, 1, 32, 8, 128, 16, torch.bfloat16, FP8),
+    ("llama8b prefill 2048 fp8 kv", 2048, 1, 32, 8, 128, 16, torch.bfloat16, FP8),
     ("llama8b prefill 2048", 2048, 1, 32, 8, 128, 16, torch.bfloat16),
     ("qwen3-0.6b decode b64", 64, 64, 16, 8, 128, 16, torch.bfloat16),
     ("llama1b decode b1 fp16", 1, 1, 32, 8, 64, 32, torch.float16),
@@ -288,22 +292,23 @@ for label, t, s, h, kvh, d, bs, dt in [
     ("gqa4 prefill fp32", 1024, 1, 32, 8, 128, 16, torch.float32),
 ]:
     lp = backend.plan(t, s, h, kvh, d, bs, dt, cuda)
-    name = NAMES[dt]
-    types = {"q_ptr": "*" + name, "cache_ptr": "*" + name, "out_ptr": "*" + name,
+    name, cache = NAMES[dt], NAMES[kv[0] if kv else dt]
+    scales = {"k_scale": "fp32", "v_scale": "fp32"}
+    types = {"q_ptr": "*" + name, "cache_ptr": "*" + cache, "out_ptr": "*" + name,
              "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "query_start_loc_ptr": "*i32",
-             "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32", "scale_log2": "fp32"}
-    compile_checked(K.paged_attention_kernel, types, lp.constexprs, lp.num_warps,
-                    f"{label} splits={lp.num_splits}")
+             "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32", "scale_log2": "fp32", **scales}
+    compile_checked(K.paged_attention_kernel, types, {**lp.constexprs, "FP8": bool(kv)},
+                    lp.num_warps, f"{label} splits={lp.num_splits}")
     if lp.num_splits > 1:
         compile_checked(K.split_kv_reduce_kernel,
                         {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*" + name},
                         dict(HEAD_DIM=d, HEAD_DIM_P2=d, NUM_SPLITS=lp.num_splits), 4,
                         label + " reduce")
     compile_checked(K.write_kv_kernel,
-                    {"k_ptr": "*" + name, "v_ptr": "*" + name, "cache_ptr": "*" + name,
-                     "slot_ptr": "*i64"},
+                    {"k_ptr": "*" + name, "v_ptr": "*" + name, "cache_ptr": "*" + cache,
+                     "slot_ptr": "*i64", **scales},
                     dict(NUM_KV_HEADS=kvh, HEADS_P2=triton.next_power_of_2(kvh), HEAD_DIM=d,
-                         HEAD_DIM_P2=d, BLOCK_SIZE=bs), 4, label + " write")
+                         HEAD_DIM_P2=d, BLOCK_SIZE=bs, FP8=bool(kv)), 4, label + " write")
 """
 
 

@@ -8,6 +8,7 @@ import os
 import socket
 
 from sluice.engine.config import (
+    KV_CACHE_DTYPES,
     CacheConfig,
     EngineConfig,
     ParallelConfig,
@@ -32,12 +33,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto",
                    choices=["auto", "cpu", "torch", "triton"],
                    help="auto: Triton on CUDA; on CPU the compiled paged attention kernel "
-                        "(cpu: built with gcc at first use), else torch (plain PyTorch, the "
-                        "reference)")
+                        "(cpu: required), else torch (plain PyTorch, the reference)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", default="512MiB", help="KV-cache budget on CPU")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="the KV cache's type: auto (the model's dtype) or fp8 (= fp8_e4m3: "
+                        "one byte per value, twice the blocks in the same memory; stored as "
+                        "x / scale, the checkpoint's k_scale/v_scale or 1, as vLLM's flag)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="override the KV budget")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
@@ -190,7 +194,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                           kv_cache_memory=parse_size(args.kv_cache_memory),
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=args.prefix_caching,
-                          num_blocks=args.num_kv_blocks),
+                          num_blocks=args.num_kv_blocks, cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   long_prefill_token_threshold=(

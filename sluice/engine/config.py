@@ -81,6 +81,10 @@ class ModelConfig:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
 
 
+# --kv-cache-dtype's names (vLLM's): the model's dtype, or float8 e4m3 (attention/kv_quant.py)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -88,11 +92,16 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     num_blocks: int | None = None  # overrides the memory budget (tests)
+    # --kv-cache-dtype (attention/kv_quant.py): auto (the model's dtype) | fp8 | fp8_e4m3
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         assert self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, (
             "block_size must be a power of two"
         )
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype {self.cache_dtype!r}: choose one of "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
 
 
 @dataclass(frozen=True)
@@ -148,11 +157,8 @@ class EngineConfig:
             self._check_quantization()
         if self.parallel.tensor_parallel_size == 1:
             return
-        refused = {"--enable-lora": self.lora is not None,
-}
-        for flag, given in refused.items():
-            if given:
-                raise ValueError(f"{flag} is not supported with --tensor-parallel-size > 1")
+        if self.lora is not None:
+            raise ValueError("--enable-lora is not supported with --tensor-parallel-size > 1")
 
     def _check_quantization(self) -> None:
         if self.quantization != "gguf":

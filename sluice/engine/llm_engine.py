@@ -84,7 +84,8 @@ class LLMEngine:
                                                          self.eos_token_ids)
         self.metrics = EngineMetrics(config.served_model_name, cache.block_size, num_blocks,
                                      cache.enable_prefix_caching,
-                                     config.lora.max_loras if config.lora else 0)
+                                     config.lora.max_loras if config.lora else 0,
+                                     cache.cache_dtype)
         self.requests: dict[str, OutputState] = {}
         self.speculator = self._make_speculator()
         self.kv_connector = self._make_kv_connector()

@@ -16,7 +16,7 @@ _ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
 
 class EngineMetrics:
     def __init__(self, model_name: str, block_size: int, num_blocks: int,
-                 enable_prefix_caching: bool, max_loras: int = 0):
+                 enable_prefix_caching: bool, max_loras: int = 0, cache_dtype: str = "auto"):
         self.registry = CollectorRegistry()
         r, labels, m = self.registry, ["model_name"], model_name
 
@@ -34,9 +34,10 @@ class EngineMetrics:
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = full")
         self.gpu_usage = gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (deprecated name)")
         Gauge("vllm:cache_config_info", "KV-cache configuration",
-              ["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching"],
+              ["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching",
+               "cache_dtype"],
               registry=r).labels(m, str(block_size), str(num_blocks),
-                                 str(enable_prefix_caching)).set(1)
+                                 str(enable_prefix_caching), cache_dtype).set(1)
         # vLLM's info gauge: the adapters of running and of waiting requests (names,
         # comma-separated) and --max-loras as labels, the time of the change as value.
         # Only the current label set is exported (readers take the latest series).

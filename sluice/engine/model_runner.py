@@ -37,16 +37,17 @@ if TYPE_CHECKING:
     from sluice.engine.distributed.workers import TPWorkers
 
 
-def num_kv_blocks(model: CausalLM, cache: CacheConfig, dtype: torch.dtype,
+def num_kv_blocks(model: CausalLM, cache: CacheConfig, cache_dtype: torch.dtype,
                   device: torch.device, step_peak_bytes: int = 0) -> int:
     """Blocks that fit this rank's budget (each rank holds its KV heads' share of every
-    block): --kv-cache-memory on CPU; on GPU, utilization x total memory minus what is in
-    use now (weights, other processes) minus a step's activation peak."""
+    block) in cache_dtype (fp8: half the bytes of bf16, twice the blocks): --kv-cache-memory
+    on CPU; on GPU, utilization x total memory minus what is in use now (weights, other
+    processes) minus a step's activation peak."""
     if cache.num_blocks is not None:
         return cache.num_blocks
     cfg = model.config
     bytes_per_block = (cache.block_size * 2 * cfg.num_hidden_layers * model.num_kv_heads
-                       * cfg.head_dim * dtype.itemsize)
+                       * cfg.head_dim * cache_dtype.itemsize)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = int(total * cache.gpu_memory_utilization) - (total - free) - step_peak_bytes
@@ -62,14 +63,16 @@ def num_kv_blocks(model: CausalLM, cache: CacheConfig, dtype: torch.dtype,
 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, workers: TPWorkers | None = None):
-        """`workers`: the other tensor-parallel ranks' processes (rank 0 drives them)."""
+                 device: torch.device, cache_dtype: torch.dtype,
+                 workers: TPWorkers | None = None):
+        """cache_dtype: the KV cache's (the model's dtype, or fp8); `workers`: the other
+        tensor-parallel ranks' processes (rank 0 drives them)."""
         cfg = model.config
         self.model, self.device, self.block_size = model, device, block_size
         self.workers, self.num_blocks = workers, num_blocks
         # One pre-allocated pool per layer, in the backends' shared layout: this rank's heads.
         shape = kv_cache_shape(num_blocks, block_size, model.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
+        self.kv_caches = [torch.zeros(shape, dtype=cache_dtype, device=device)
                           for _ in range(cfg.num_hidden_layers)]
         self.decode_graphs: DecodeGraphRunner | None = None  # set by enable_decode_graphs
 

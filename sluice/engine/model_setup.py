@@ -10,6 +10,7 @@ import torch
 from sluice.engine import kernels
 from sluice.engine.attention.backend import AttentionBackend
 from sluice.engine.attention.cpu_backend import CpuAttentionBackend
+from sluice.engine.attention.kv_quant import kv_cache_dtype
 from sluice.engine.attention.torch_backend import TorchAttentionBackend
 from sluice.engine.config import EngineConfig
 from sluice.engine.distributed.parallel_state import TPGroup
@@ -82,18 +83,20 @@ def build_model_runner(config: EngineConfig, device: torch.device, dtype: torch.
     quant = GGUFQuant(dtype) if config.quantization == "gguf" else None
     model = load_model(config.model, config.load_format, attention_backend(config, device),
                        dtype, device, config.seed, weights, lora, tp, quant)
-    peak = _step_peak(config, model, device, dtype)
-    num_blocks = tp.all_reduce_min(num_kv_blocks(model, config.cache, dtype, device, peak),
-                                   device)
-    return ModelRunner(model, num_blocks, config.cache.block_size, device, dtype, workers)
+    cache_dtype = kv_cache_dtype(config.cache.cache_dtype, dtype)
+    peak = _step_peak(config, model, device, cache_dtype)
+    num_blocks = tp.all_reduce_min(
+        num_kv_blocks(model, config.cache, cache_dtype, device, peak), device)
+    return ModelRunner(model, num_blocks, config.cache.block_size, device, cache_dtype, workers)
 
 
-def _step_peak(config: EngineConfig, model, device: torch.device, dtype: torch.dtype) -> int:
+def _step_peak(config: EngineConfig, model, device: torch.device,
+               cache_dtype: torch.dtype) -> int:
     """On CUDA, the activation peak of a full-budget step (measured on a scratch pool)."""
     if device.type != "cuda" or config.cache.num_blocks is not None:
         return 0
     n, bs = config.scheduler.max_num_batched_tokens, config.cache.block_size
-    probe = ModelRunner(model, -(-n // bs), bs, device, dtype)
+    probe = ModelRunner(model, -(-n // bs), bs, device, cache_dtype)
     peak = probe.profile_step_peak(n, config.scheduler.max_num_seqs)
     del probe
     torch.cuda.empty_cache()

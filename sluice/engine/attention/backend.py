@@ -23,6 +23,9 @@ from typing import Any
 
 import torch
 
+from sluice.engine.attention.kv_quant import KVScale
+
+UNSCALED = KVScale()
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
                    head_dim: int) -> tuple[int, int, int, int, int]:
@@ -48,14 +51,15 @@ class AttentionMetadata:
 
 
 class AttentionBackend(ABC):
-    """Paged attention for one layer; `kv_cache` has the shape `kv_cache_shape` gives."""
+    """Paged attention for one layer; `kv_cache` has the shape `kv_cache_shape` gives, in the
+    model's dtype or fp8 (kv_quant.py: stored = x / kv_scale, read back times it)."""
 
     @abstractmethod
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> None:
+                 meta: AttentionMetadata, kv_scale: KVScale = UNSCALED) -> None:
         """Store this step's keys/values ([num_tokens, kv_heads, head_dim]) at their slots."""
 
     @abstractmethod
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, kv_scale: KVScale = UNSCALED) -> torch.Tensor:
         """q: [num_tokens, heads, head_dim] -> output of the same shape (causal, GQA)."""

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from sluice.engine.attention.backend import AttentionBackend, AttentionMetadata
+from sluice.engine.attention.backend import UNSCALED, AttentionBackend, AttentionMetadata
+from sluice.engine.attention.kv_quant import KVScale, dequantize, quantize, storage
 
 MAX_BLOCKWISE_QUERIES = 16
 
@@ -115,51 +116,64 @@ def build_plan(meta: AttentionMetadata, block_size: int, kv_heads: int,
 
 
 class TorchAttentionBackend(AttentionBackend):
-    def write_kv(self, k, v, kv_cache, meta):
-        plan = self._plan(kv_cache, meta)
+    def write_kv(self, k, v, kv_cache, meta, kv_scale=UNSCALED):
+        plan = self._plan(kv_cache, meta, k.dtype)
         head_dim = kv_cache.shape[4]
+        cache = storage(kv_cache)
         # Row copies: index_copy_ stays a memcpy per row, where a two-index index_put runs
         # in parallel and stalled for milliseconds when a core was busy (7 us vs 8-8,000 us
         # per call, 32 tokens, two threads).
-        kv_cache[0].view(-1, head_dim).index_copy_(0, plan.write_rows, k.reshape(-1, head_dim))
-        kv_cache[1].view(-1, head_dim).index_copy_(0, plan.write_rows, v.reshape(-1, head_dim))
+        for i, x, s in ((0, k, kv_scale.k), (1, v, kv_scale.v)):
+            stored = storage(quantize(x, s, kv_cache.dtype))
+            cache[i].view(-1, head_dim).index_copy_(0, plan.write_rows,
+                                                    stored.reshape(-1, head_dim))
 
-    def attend(self, q, kv_cache, meta, scale):
-        plan = self._plan(kv_cache, meta)
+    def attend(self, q, kv_cache, meta, scale, kv_scale=UNSCALED):
+        plan = self._plan(kv_cache, meta, q.dtype)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as q may not be
         if plan.items is not None:
-            self._attend_items(q, out, kv_cache, meta, plan, scale)
+            self._attend_items(q, out, kv_cache, meta, plan, scale, kv_scale)
         starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         for i in plan.prefills:
             q_start, q_end, seq_len = starts[i], starts[i + 1], lens[i]
             out[q_start:q_end] = _prefill(q[q_start:q_end], kv_cache, meta.block_tables[i],
-                                          seq_len, scale)
+                                          seq_len, scale, kv_scale)
         return out
 
     def _attend_items(self, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
-                      meta: AttentionMetadata, plan: StepPlan, scale: float) -> None:
+                      meta: AttentionMetadata, plan: StepPlan, scale: float,
+                      kv_scale: KVScale) -> None:
         """Writes out's rows of plan.items."""
         rows = plan.blockwise.rows
-        out[rows] = _blockwise(q[rows], kv_cache, plan.blockwise, scale)
+        out[rows] = _blockwise(q[rows], kv_cache, plan.blockwise, scale, kv_scale)
 
-    def _build_plan(self, kv_cache: torch.Tensor, meta: AttentionMetadata) -> StepPlan:
+    def _build_plan(self, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                    dtype: torch.dtype) -> StepPlan:
         return build_plan(meta, kv_cache.shape[3], kv_cache.shape[2])
 
-    def _plan(self, kv_cache: torch.Tensor, meta: AttentionMetadata) -> StepPlan:
+    def _plan(self, kv_cache: torch.Tensor, meta: AttentionMetadata,
+              dtype: torch.dtype) -> StepPlan:
+        """The step's plan, built by its first call; dtype: the model's (q's, k's)."""
         if meta.plan is None:
-            meta.plan = self._build_plan(kv_cache, meta)
+            meta.plan = self._build_plan(kv_cache, meta, dtype)
         return meta.plan
 
 
+def _blocks(kv_cache: torch.Tensor, i: int, blocks: torch.Tensor, scale: float,
+            dtype: torch.dtype) -> torch.Tensor:
+    """Cache blocks of keys (i = 0) or values (1), read as dtype values."""
+    return dequantize(kv_cache[i].index_select(0, blocks), scale, dtype)
+
+
 def _blockwise(q: torch.Tensor, kv_cache: torch.Tensor, plan: BlockPlan,
-               scale: float) -> torch.Tensor:
+               scale: float, kv_scale: KVScale) -> torch.Tensor:
     """q: [B, Q, heads, head_dim] (each sequence's query rows) -> the same shape."""
     num_seqs, num_q, num_heads, head_dim = q.shape
     _, _, kv_heads, block_size, _ = kv_cache.shape
     group = num_heads // kv_heads
     rows = num_q * group  # a block's query rows per KV head: (query, head in group)
-    k = kv_cache[0].index_select(0, plan.blocks)  # [N, kv_heads, block_size, head_dim]
-    v = kv_cache[1].index_select(0, plan.blocks)
+    k = _blocks(kv_cache, 0, plan.blocks, kv_scale.k, q.dtype)  # [N, kvh, block_size, d]
+    v = _blocks(kv_cache, 1, plan.blocks, kv_scale.v, q.dtype)
     q = q.view(num_seqs, num_q, kv_heads, group, head_dim).transpose(1, 2).reshape(
         num_seqs, kv_heads, rows, head_dim)
     scores = torch.matmul(q.index_select(0, plan.seq_of_block), k.transpose(-1, -2))
@@ -180,12 +194,13 @@ def _blockwise(q: torch.Tensor, kv_cache: torch.Tensor, plan: BlockPlan,
 
 
 def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
-             scale: float) -> torch.Tensor:
+             scale: float, kv_scale: KVScale) -> torch.Tensor:
     """q: [q_len, heads, head_dim], the last q_len positions of a seq_len-token context."""
     _, _, kv_heads, block_size, head_dim = kv_cache.shape
     blocks = block_table[:-(-seq_len // block_size)].long()
-    k, v = (kv_cache[i].index_select(0, blocks).transpose(0, 1).reshape(kv_heads, -1, head_dim)
-            [None, :, :seq_len] for i in (0, 1))  # [1, kv_heads, seq_len, head_dim]
+    k, v = (_blocks(kv_cache, i, blocks, s, q.dtype).transpose(0, 1).reshape(
+        kv_heads, -1, head_dim)[None, :, :seq_len]
+        for i, s in ((0, kv_scale.k), (1, kv_scale.v)))  # [1, kv_heads, seq_len, head_dim]
     q_len = q.shape[0]
     mask = None
     if q_len < seq_len:

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import triton
 
-from sluice.engine.attention.backend import AttentionBackend, AttentionMetadata
+from sluice.engine.attention.backend import UNSCALED, AttentionBackend, AttentionMetadata
+from sluice.engine.attention.kv_quant import FP8, KVScale
 from sluice.engine.attention.triton_kernels import (
     paged_attention_kernel,
     split_kv_reduce_kernel,
@@ -70,7 +71,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     # -- KV write ---------------------------------------------------------------------------
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> None:
+                 meta: AttentionMetadata, kv_scale: KVScale = UNSCALED) -> None:
         """k, v: [num_tokens, kv_heads, head_dim]; token i goes to slot meta.slot_mapping[i]
         (block * block_size + offset); slots < 0 are skipped. Reads only `slot_mapping`."""
         num_tokens, num_kv_heads, head_dim = k.shape
@@ -81,23 +82,24 @@ class TritonAttentionBackend(AttentionBackend):
         if num_tokens == 0:
             return
         write_kv_kernel[(num_tokens,)](
-            k, v, kv_cache, meta.slot_mapping,
+            k, v, kv_cache, meta.slot_mapping, kv_scale.k, kv_scale.v,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             *_cache_strides(kv_cache),
             NUM_KV_HEADS=num_kv_heads, HEADS_P2=_pow2(num_kv_heads),
             HEAD_DIM=head_dim, HEAD_DIM_P2=_pow2(head_dim), BLOCK_SIZE=kv_cache.shape[3],
+            FP8=kv_cache.dtype == FP8,
         )
 
     # -- attention --------------------------------------------------------------------------
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, kv_scale: KVScale = UNSCALED) -> torch.Tensor:
         """q: [num_tokens, heads, head_dim] -> [num_tokens, heads, head_dim], causal with GQA
         (query head h reads KV head h // (heads // kv_heads)). Reads `query_start_loc`,
         `seq_lens`, `block_tables` on the device; the step's K/V must already be written."""
         num_tokens, num_heads, head_dim = q.shape
         _, _, num_kv_heads, block_size, _ = kv_cache.shape
         _check_cache(kv_cache, num_kv_heads, head_dim)
-        assert q.dtype == kv_cache.dtype, "q and kv_cache dtypes differ"
+        assert kv_cache.dtype in (q.dtype, FP8), "the cache holds q's dtype or fp8"
         assert q.stride(2) == 1, "head_dim must be contiguous"
         assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
         num_seqs = meta.seq_lens.shape[0]
@@ -124,12 +126,13 @@ class TritonAttentionBackend(AttentionBackend):
             q, kv_cache, out, part_out, part_lse,
             meta.query_start_loc, meta.seq_lens, meta.block_tables,
             num_seqs, scale * 1.4426950408889634,  # log2(e): softmax via exp2
+            kv_scale.k, kv_scale.v,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             *_cache_strides(kv_cache),
             meta.block_tables.stride(0),
             part_out.stride(0), part_out.stride(1), part_out.stride(2),
             part_lse.stride(0), part_lse.stride(1),
-            num_warps=lp.num_warps, **lp.constexprs,
+            num_warps=lp.num_warps, FP8=kv_cache.dtype == FP8, **lp.constexprs,
         )
         if lp.num_splits > 1:
             split_kv_reduce_kernel[(num_tokens, num_heads)](
@@ -195,4 +198,4 @@ def _check_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> No
     assert kv_cache.shape[2] == num_kv_heads and kv_cache.shape[4] == head_dim, \
         "kv_cache heads/head_dim do not match"
     assert kv_cache.stride(4) == 1, "kv_cache head_dim must be contiguous"
-    assert kv_cache.dtype in _DTYPES, f"unsupported dtype {kv_cache.dtype}"
+    assert kv_cache.dtype in (*_DTYPES, FP8), f"unsupported dtype {kv_cache.dtype}"

@@ -7,6 +7,9 @@ Layouts (all row-major, last dimension contiguous):
   part_out      [num_tokens, num_heads, num_splits, head_dim] fp32  (split-KV partials)
   part_lse      [num_tokens, num_heads, num_splits]           fp32  (log2-sum-exp2 per split)
 
+The cache holds q's dtype, or fp8 e4m3 (kv_quant.py): written as x / scale, saturated, and
+read as value x scale (k_scale, v_scale), converted once per tile.
+
 Metadata read on the device: `slot_mapping` (write kernel); `query_start_loc`, `seq_lens`,
 `block_tables` (attention kernel). The host-side `*_cpu` lists are never read, so every launch depends only on tensor shapes.
 """
@@ -19,11 +22,12 @@ import triton.language as tl
 
 @triton.jit
 def write_kv_kernel(
-    k_ptr, v_ptr, cache_ptr, slot_ptr,
+    k_ptr, v_ptr, cache_ptr, slot_ptr, k_scale, v_scale,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_c_kv, stride_c_blk, stride_c_off, stride_c_head,
     NUM_KV_HEADS: tl.constexpr, HEADS_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """One program per token: copy its K and V (all KV heads) into slot `slot_mapping[token]`.
 
@@ -42,6 +46,9 @@ def write_kv_kernel(
         + heads[:, None] * stride_c_head + dims[None, :]
     k = tl.load(k_ptr + tok * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     v = tl.load(v_ptr + tok * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    if FP8:
+        k = tl.clamp(k.to(tl.float32) / k_scale, -448.0, 448.0)
+        v = tl.clamp(v.to(tl.float32) / v_scale, -448.0, 448.0)
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -71,7 +78,7 @@ def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 def paged_attention_kernel(
     q_ptr, cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    num_seqs, scale_log2,
+    num_seqs, scale_log2, k_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_blk, stride_c_off, stride_c_head,
     stride_bt,
@@ -79,7 +86,7 @@ def paged_attention_kernel(
     QPK: tl.constexpr, QPK_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     """Causal paged attention over a flat varlen batch of prefill chunks and decodes.
 
@@ -145,6 +152,9 @@ def paged_attention_kernel(
         k = tl.load(cache_head + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(cache_head + stride_c_kv + kv_off[:, None] + dims[None, :], mask=kv_mask,
                     other=0.0)
+        if FP8:
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where((kpos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))

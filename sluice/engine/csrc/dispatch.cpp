@@ -21,7 +21,7 @@
     extern "C" int sluice_paged_attention_##isa(                                         \
         const void *, void *, const void *, const void *, const int32_t *, int64_t,      \
         const int32_t *, const int32_t *, const int32_t *, const int32_t *, int, int, int, \
-        int, int, float, int, int);                                                      \
+        int, int, float, int, int, float, float, int);                                   \
     extern "C" void sluice_lora_add_##isa(const uint16_t *, int64_t, uint16_t *, int64_t, \
                                           const uint16_t *, const uint16_t *,             \
                                           const int32_t *, int64_t, int, int, int,        \

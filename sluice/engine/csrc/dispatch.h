@@ -20,7 +20,8 @@ using LoraAddFn = void (*)(const uint16_t *, int64_t, uint16_t *, int64_t, const
                            const int32_t *, int, float *, float *);
 using AttentionFn = int (*)(const void *, void *, const void *, const void *, const int32_t *,
                             int64_t, const int32_t *, const int32_t *, const int32_t *,
-                            const int32_t *, int, int, int, int, int, float, int, int);
+                            const int32_t *, int, int, int, int, int, float, int, int, float,
+                            float, int);
 // gguf.c: activations to 8-bit blocks; quantized weight rows times them; rows dequantized
 using QuantizeQ8Fn = void (*)(const float *, int64_t, int64_t, int64_t, int8_t *, float *,
                               float *);

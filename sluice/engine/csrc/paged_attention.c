@@ -17,8 +17,10 @@
  * AVX512_BF16 the commonest shape (bf16, head_dim 64, block_size 16) has intrinsics for both
  * (cpu_attention_bf16.h).
  * Everything is accumulated in float32; bfloat16 is read by widening and written with
- * round-to-nearest-even, as torch casts. Loops are shaped for the compiler's vectoriser
- * (constant trip counts for the common shapes, see attend_dispatch); exp is a polynomial
+ * round-to-nearest-even, as torch casts. The cache may instead hold float8 e4m3 (vLLM's
+ * --kv-cache-dtype fp8: stored = x / scale, one scale for a layer's keys and one for its
+ * values), read as its value times the scale; q and out keep the model's dtype. Loops are
+ * shaped for the compiler's vectoriser (constant trip counts for the common shapes, see attend_dispatch); exp is a polynomial
  * (Cephes' expf: ~1 ulp) that vectorises where libm's does not. Items are spread over
  * OpenMP threads (torch's own libgomp once torch is loaded).
  */
@@ -29,7 +31,7 @@
 #include "bf16.h"
 #include "isa.h"
 
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_FP8_E4M3 = 2 };
 #define MAX_BLOCK 256
 #define MAX_DIM 256
 /* From this many query rows per (sequence, KV head) on, keys are transposed per block. */
@@ -53,8 +55,24 @@ static inline float exp_poly(float x) {
     return p * scale.f;
 }
 
-static inline void load_row(const void *base, int dtype, int64_t index, float *dst, int n) {
-    if (dtype == DTYPE_BF16) {
+/* e4m3 (bias 7, no infinities, S.1111.111 NaN) as its value: the significand as an integer
+ * (8 + m, or m when subnormal) times 2^(max(e, 1) - 10), built from normal floats only, so
+ * the loop vectorises without subnormal operands. */
+static inline float fp8_e4m3(uint8_t x) {
+    const int e = (x >> 3) & 0xF, m = x & 7;
+    bits32 pow2;
+    pow2.u = (uint32_t)((e ? e : 1) + 117) << 23;
+    const float v = (float)(e ? m + 8 : m) * pow2.f;
+    return (x & 0x7F) == 0x7F ? __builtin_nanf("") : x & 0x80 ? -v : v;
+}
+
+/* n values from base[index:] as float32; fp8 ones times scale (other dtypes ignore it). */
+static inline void load_row(const void *base, int dtype, int64_t index, float *dst, int n,
+                            float scale) {
+    if (dtype == DTYPE_FP8_E4M3) {
+        const uint8_t *src = (const uint8_t *)base + index;
+        for (int i = 0; i < n; i++) dst[i] = fp8_e4m3(src[i]) * scale;
+    } else if (dtype == DTYPE_BF16) {
         const uint16_t *src = (const uint16_t *)base + index;
         for (int i = 0; i < n; i++) dst[i] = widen(src[i]);
     } else {
@@ -71,12 +89,19 @@ static inline void store_row(void *base, int dtype, int64_t index, const float *
     }
 }
 
+/* A layer's paged cache: k and v [num_blocks, kv_heads, block_size, head_dim] in dtype;
+ * fp8 values are read times their scale. */
+typedef struct {
+    const void *k, *v;
+    int dtype;
+    float k_scale, v_scale;
+} kv_cache_t;
+
 /* Blocks sit anywhere in the cache, so the hardware prefetcher cannot run ahead of the
  * walk: the next block's tiles are requested while this one is computed. */
-static inline void prefetch_tile(const void *k_cache, const void *v_cache, int dtype,
-                                 int64_t index, int count) {
-    const int elem = dtype == DTYPE_BF16 ? 2 : 4;
-    const char *k = (const char *)k_cache + index * elem, *v = (const char *)v_cache + index * elem;
+static inline void prefetch_tile(const kv_cache_t *kv, int64_t index, int count) {
+    const int elem = kv->dtype == DTYPE_FP8_E4M3 ? 1 : kv->dtype == DTYPE_BF16 ? 2 : 4;
+    const char *k = (const char *)kv->k + index * elem, *v = (const char *)kv->v + index * elem;
     for (int off = 0; off < count * elem; off += 64) {
         __builtin_prefetch(k + off);
         __builtin_prefetch(v + off);
@@ -150,19 +175,19 @@ static inline int64_t row_offset(int r, int q_start, int group, int kv_head, int
 
 #if defined(__AVX512BF16__)
 #include "paged_attention_bf16.h"
-#define INTRINSICS(dtype, head_dim, block_size) \
-    ((dtype) == DTYPE_BF16 && (head_dim) == 64 && (block_size) == 16)
+#define INTRINSICS(dtype, kv_dtype, head_dim, block_size) \
+    ((dtype) == DTYPE_BF16 && (kv_dtype) == DTYPE_BF16 && (head_dim) == 64 && (block_size) == 16)
 #else
-#define INTRINSICS(dtype, head_dim, block_size) 0
+#define INTRINSICS(dtype, kv_dtype, head_dim, block_size) 0
 #endif
 
-/* One (sequence, KV head). q and out: [num_tokens, num_heads, head_dim]; k_cache and
- * v_cache: [num_blocks, kv_heads, block_size, head_dim]; table: the sequence's blocks.
+/* One (sequence, KV head). q and out: [num_tokens, num_heads, head_dim] in dtype; kv: the
+ * layer's cache; table: the sequence's blocks.
  * Always inlined so that the dispatcher's constant head_dim and block_size become constant
  * trip counts: the head_dim loops turn into a few whole vectors. */
 static inline __attribute__((always_inline)) void attend_item(
-        const void *q, void *out, const void *k_cache, const void *v_cache, const int32_t *table,
-        int q_start, int q_len, int seq_len, int kv_head, int num_heads, int kv_heads,
+        const void *q, void *out, const kv_cache_t *kv, const int32_t *table, int q_start,
+        int q_len, int seq_len, int kv_head, int num_heads, int kv_heads,
         const int head_dim, const int block_size, float scale, int dtype, float *scratch) {
     const int group = num_heads / kv_heads;
     const int rows = q_len * group;
@@ -175,12 +200,12 @@ static inline __attribute__((always_inline)) void attend_item(
     float *kt = vf + block_size * head_dim;   /* [head_dim, block_size]: keys transposed */
     float krow[MAX_DIM];
     /* bf16 intrinsics (cpu_attention_bf16.h) read q as stored: no float copy of it. */
-    const int intrinsics = INTRINSICS(dtype, head_dim, block_size);
+    const int intrinsics = INTRINSICS(dtype, kv->dtype, head_dim, block_size);
 
     for (int r = 0; r < rows; r++) {
         if (!intrinsics) {
             load_row(q, dtype, row_offset(r, q_start, group, kv_head, num_heads, head_dim),
-                     qf + r * head_dim, head_dim);
+                     qf + r * head_dim, head_dim, 1.0f);
             for (int d = 0; d < head_dim; d++) qf[r * head_dim + d] *= scale;
         }
         m[r] = -1e30f;
@@ -198,8 +223,7 @@ static inline __attribute__((always_inline)) void attend_item(
          * one long run keeps more lines in flight than three short ones. */
         if (b + 1 < num_blocks) {
             const int whole = kv_head == 0;
-            prefetch_tile(k_cache, v_cache, dtype,
-                          (((int64_t)table[b + 1] * kv_heads + kv_head) * block_size) * head_dim,
+            prefetch_tile(kv, (((int64_t)table[b + 1] * kv_heads + kv_head) * block_size) * head_dim,
                           (whole ? kv_heads : 1) * block_size * head_dim);
         }
         /* Rows that see none of this block's keys are skipped (a causal tile's first rows at
@@ -208,14 +232,15 @@ static inline __attribute__((always_inline)) void attend_item(
         while (r_first < rows && seq_len - q_len + r_first / group + 1 - first <= 0) r_first++;
 #if defined(__AVX512BF16__)
         if (intrinsics && rows < TRANSPOSE_ROWS)
-            scores_bf16_64x16((const uint16_t *)q, (const uint16_t *)k_cache + tile, s, rows,
+            scores_bf16_64x16((const uint16_t *)q, (const uint16_t *)kv->k + tile, s, rows,
                               q_start, group, kv_head, num_heads, scale);
         else
 #endif
         if (rows < TRANSPOSE_ROWS) {
             /* Few rows: a dot product per (row, key), reduced as a tree. */
             for (int t = 0; t < in_block; t++) {
-                load_row(k_cache, dtype, tile + (int64_t)t * head_dim, krow, head_dim);
+                load_row(kv->k, kv->dtype, tile + (int64_t)t * head_dim, krow, head_dim,
+                         kv->k_scale);
                 for (int r = 0; r < rows; r++) {
                     const float *qr = qf + r * head_dim;
                     float dot = 0.0f;
@@ -227,7 +252,7 @@ static inline __attribute__((always_inline)) void attend_item(
 #if defined(__AVX512BF16__)
         } else if (intrinsics) {
             /* Many bf16 rows: the key tile as dimension pairs, then bf16 dot products. */
-            key_pairs_bf16_64x16((const uint16_t *)k_cache + tile, in_block, (uint32_t *)kt);
+            key_pairs_bf16_64x16((const uint16_t *)kv->k + tile, in_block, (uint32_t *)kt);
             tile_scores_bf16_64x16((const uint16_t *)q, (const uint32_t *)kt, s, r_first, rows,
                                    q_start, group, kv_head, num_heads, scale);
 #endif
@@ -235,7 +260,8 @@ static inline __attribute__((always_inline)) void attend_item(
             /* Many rows (a prefill tile): the key tile transposed once, then each row's scores
              * are head_dim broadcast multiply-adds over a whole block of keys. */
             for (int t = 0; t < in_block; t++) {
-                load_row(k_cache, dtype, tile + (int64_t)t * head_dim, krow, head_dim);
+                load_row(kv->k, kv->dtype, tile + (int64_t)t * head_dim, krow, head_dim,
+                         kv->k_scale);
                 for (int d = 0; d < head_dim; d++) kt[d * block_size + t] = krow[d];
             }
             for (int t = in_block; t < block_size; t++)
@@ -246,13 +272,14 @@ static inline __attribute__((always_inline)) void attend_item(
         }
 #if defined(__AVX512BF16__)
         if (intrinsics) {
-            values_bf16_64x16(s, (const uint16_t *)v_cache + tile, acc, m, l,
+            values_bf16_64x16(s, (const uint16_t *)kv->v + tile, acc, m, l,
                               seq_len - q_len + 1 - first, group, in_block, r_first, rows);
             continue;
         }
 #endif
         for (int t = 0; t < in_block; t++)
-            load_row(v_cache, dtype, tile + (int64_t)t * head_dim, vf + t * head_dim, head_dim);
+            load_row(kv->v, kv->dtype, tile + (int64_t)t * head_dim, vf + t * head_dim,
+                     head_dim, kv->v_scale);
         for (int r = 0; r < rows; r++) {
             /* Keys this row may see in this block: causal for the row's query position. */
             int visible = seq_len - q_len + r / group + 1 - first;
@@ -276,14 +303,13 @@ static inline __attribute__((always_inline)) void attend_item(
     }
 }
 
-#define ITEM_ARGS q, out, k_cache, v_cache, table, q_start, q_len, seq_len, kv_head, num_heads, \
+#define ITEM_ARGS q, out, kv, table, q_start, q_len, seq_len, kv_head, num_heads, \
                   kv_heads
 #define ITEM_TAIL scale, dtype, scratch
 
 /* The common (head_dim, block_size) pairs get constant-size loops; others the general one. */
-static void attend_dispatch(const void *q, void *out, const void *k_cache, const void *v_cache,
-                            const int32_t *table, int q_start, int q_len, int seq_len,
-                            int kv_head, int num_heads, int kv_heads, int head_dim,
+static void attend_dispatch(const void *q, void *out, const kv_cache_t *kv,
+                            const int32_t *table, int q_start, int q_len, int seq_len, int kv_head, int num_heads, int kv_heads, int head_dim,
                             int block_size, float scale, int dtype, float *scratch) {
     if (head_dim == 64 && block_size == 16)
         attend_item(ITEM_ARGS, 64, 16, ITEM_TAIL);
@@ -302,8 +328,10 @@ int SLUICE_KERNEL(paged_attention)(const void *q, void *out, const void *k_cache
                         const void *v_cache, const int32_t *block_tables, int64_t table_stride,
                         const int32_t *seq_rows, const int32_t *q_starts, const int32_t *q_lens,
                         const int32_t *seq_lens, int num_seqs, int num_heads, int kv_heads,
-                        int head_dim, int block_size, float scale, int dtype, int num_threads) {
+                        int head_dim, int block_size, float scale, int dtype, int kv_dtype,
+                        float k_scale, float v_scale, int num_threads) {
     if (head_dim > MAX_DIM || block_size > MAX_BLOCK || num_heads % kv_heads != 0) return -1;
+    const kv_cache_t kv_cache = {k_cache, v_cache, kv_dtype, k_scale, v_scale}, *kv = &kv_cache;
     int max_q = 1;
     for (int i = 0; i < num_seqs; i++) max_q = q_lens[i] > max_q ? q_lens[i] : max_q;
     const int max_rows = max_q * (num_heads / kv_heads);
@@ -321,8 +349,7 @@ int SLUICE_KERNEL(paged_attention)(const void *q, void *out, const void *k_cache
         for (int item = 0; item < num_seqs * kv_heads; item++) {
             if (scratch == NULL) continue;
             const int i = item / kv_heads, h = item % kv_heads;
-            attend_dispatch(q, out, k_cache, v_cache,
-                            block_tables + (int64_t)seq_rows[i] * table_stride, q_starts[i],
+            attend_dispatch(q, out, kv, block_tables + (int64_t)seq_rows[i] * table_stride, q_starts[i],
                             q_lens[i], seq_lens[i], h, num_heads, kv_heads, head_dim, block_size,
                             scale, dtype, scratch);
         }

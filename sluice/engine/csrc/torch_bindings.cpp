@@ -66,17 +66,23 @@ at::Tensor rotary(const at::Tensor &x, const at::Tensor &cos, const at::Tensor &
     return y;
 }
 
-// Writes out's rows of the listed items (paged_attention.c says how an item is read).
+// Writes out's rows of the listed items (paged_attention.c says how an item is read). The
+// caches hold q's dtype, or float8 e4m3 read as value x k_scale (keys) or v_scale (values);
+// other caches ignore the scales.
 void paged_attention(const at::Tensor &q, at::Tensor &out, const at::Tensor &key_cache,
                      const at::Tensor &value_cache, const at::Tensor &block_tables,
                      const at::Tensor &seq_rows, const at::Tensor &q_starts,
-                     const at::Tensor &q_lens, const at::Tensor &seq_lens, double scale) {
+                     const at::Tensor &q_lens, const at::Tensor &seq_lens, double scale,
+                     double k_scale, double v_scale) {
     check_cpu(q, "q");
-    const auto dtype = q.scalar_type();
+    const auto dtype = q.scalar_type(), kv_dtype = key_cache.scalar_type();
     TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "float32 or bfloat16 only");
-    for (const at::Tensor *t : {static_cast<const at::Tensor *>(&out), &key_cache, &value_cache})
-        TORCH_CHECK(t->scalar_type() == dtype && t->is_contiguous(),
-                    "q, out and the caches: one dtype, contiguous");
+    TORCH_CHECK(out.scalar_type() == dtype && out.is_contiguous(), "out: q's dtype, contiguous");
+    TORCH_CHECK(kv_dtype == dtype || kv_dtype == at::kFloat8_e4m3fn,
+                "the caches: q's dtype or float8_e4m3fn");
+    for (const at::Tensor *t : {&key_cache, &value_cache})
+        TORCH_CHECK(t->scalar_type() == kv_dtype && t->is_contiguous(),
+                    "the caches: one dtype, contiguous");
     TORCH_CHECK(q.is_contiguous() && q.dim() == 3 && out.sizes() == q.sizes(),
                 "q, out: [tokens, heads, head_dim]");
     TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() &&
@@ -88,14 +94,19 @@ void paged_attention(const at::Tensor &q, at::Tensor &out, const at::Tensor &key
     for (const at::Tensor *t : {&seq_rows, &q_starts, &q_lens, &seq_lens})
         TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous() && t->numel() == items,
                     "seq_rows, q_starts, q_lens, seq_lens: int32 [items]");
+    // paged_attention.c's DTYPE_* codes
+    const auto code = [](at::ScalarType t) {
+        return t == at::kFloat8_e4m3fn ? 2 : t == at::kBFloat16 ? 1 : 0;
+    };
     const int status = current().paged_attention(
         q.const_data_ptr(), out.mutable_data_ptr(), key_cache.const_data_ptr(),
         value_cache.const_data_ptr(), in<int32_t>(block_tables), block_tables.stride(0),
         in<int32_t>(seq_rows), in<int32_t>(q_starts), in<int32_t>(q_lens),
         in<int32_t>(seq_lens), static_cast<int>(items), static_cast<int>(q.size(1)),
         static_cast<int>(key_cache.size(1)), static_cast<int>(q.size(2)),
-        static_cast<int>(key_cache.size(2)), static_cast<float>(scale),
-        dtype == at::kBFloat16 ? 1 : 0, at::get_num_threads());
+        static_cast<int>(key_cache.size(2)), static_cast<float>(scale), code(dtype),
+        code(kv_dtype), static_cast<float>(k_scale), static_cast<float>(v_scale),
+        at::get_num_threads());
     TORCH_CHECK(status == 0, "CPU paged attention failed (", status,
                 "): head_dim and block_size at most 256, heads a multiple of kv_heads");
 }
@@ -143,7 +154,7 @@ TORCH_LIBRARY(sluice, m) {
     m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
     m.def("paged_attention(Tensor q, Tensor(a!) out, Tensor key_cache, Tensor value_cache, "
           "Tensor block_tables, Tensor seq_rows, Tensor q_starts, Tensor q_lens, "
-          "Tensor seq_lens, float scale) -> ()");
+          "Tensor seq_lens, float scale, float k_scale=1.0, float v_scale=1.0) -> ()");
     m.def("lora_add(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor row_slots, "
           "int[] part_sizes, int rank) -> ()");
 }

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from sluice.engine.attention.kv_quant import storage
 from sluice.engine.distributed.messages import GatherKV, ScatterKV
 from sluice.engine.distributed.parallel_state import TPGroup, kv_replicas
 from sluice.engine.layers.parallel_linear import kv_heads_per_rank
@@ -29,10 +30,11 @@ def gather_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], tp: TPGro
                   num_kv_heads: int) -> torch.Tensor | None:
     """The blocks with every KV head, on rank 0 (None on the others); every rank calls it."""
     idx = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0].device)
-    mine = torch.stack([c.index_select(1, idx) for c in kv_caches])
+    mine = torch.stack([storage(c).index_select(1, idx) for c in kv_caches])
     whole = tp.gather(mine, dim=3)
     _, _, replicas = _heads(num_kv_heads, tp)
-    return None if whole is None else whole[:, :, :, ::replicas].contiguous()
+    return (None if whole is None
+            else whole[:, :, :, ::replicas].contiguous().view(kv_caches[0].dtype))
 
 
 def scatter_blocks(kv_caches: list[torch.Tensor], block_ids: list[int],
@@ -44,11 +46,11 @@ def scatter_blocks(kv_caches: list[torch.Tensor], block_ids: list[int],
         if whole is None:
             whole = torch.empty(len(kv_caches), 2, len(block_ids), num_kv_heads, block_size,
                                 head_dim, dtype=cache.dtype, device=cache.device)
-        dist.broadcast(whole, src=0, group=tp.group)
+        dist.broadcast(storage(whole), src=0, group=tp.group)
     first, local, _ = _heads(num_kv_heads, tp)
     idx = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
     for layer, c in enumerate(kv_caches):
-        c.index_copy_(1, idx, whole[layer, :, :, first:first + local])
+        storage(c).index_copy_(1, idx, storage(whole[layer, :, :, first:first + local]))
 
 
 class ShardedKVBlocks:

@@ -32,6 +32,8 @@ import msgspec
 import torch
 import zmq
 
+from sluice.engine.attention.kv_quant import storage
+
 log = logging.getLogger("sluice.engine.kv_transfer")
 
 
@@ -276,7 +278,7 @@ class BlockPuller:
         idx = torch.tensor(job.dst_block_ids, dtype=torch.long,
                            device=self.kv_caches[0].device)
         for cache, data in zip(self.kv_caches, blocks):
-            cache.index_copy_(1, idx, data.to(cache.device))
+            storage(cache).index_copy_(1, idx, storage(data.to(cache.device)))
         return None, None
 
     def close(self) -> None:

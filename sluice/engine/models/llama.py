@@ -44,6 +44,10 @@ class LlamaAttention(nn.Module):
                                  False, lora, tp, quant)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
 
+    def weight_loader(self, param: str, full, part: str) -> None:
+        """The checkpoint's `self_attn.k_scale` / `v_scale` (this module's only own tensors)."""
+        self.attn.load_kv_scale(param, float(full[...]))  # a scalar, or one element
+
     def forward(self, cos_sin, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)

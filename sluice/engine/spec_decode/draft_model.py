@@ -35,7 +35,9 @@ class DraftModelProposer:
     writes_kv = True
 
     def __init__(self, config: SpeculativeConfig, target: CausalLM, num_blocks: int,
-                 block_size: int, dtype: torch.dtype, device: torch.device, seed: int):
+                 block_size: int, dtype: torch.dtype, cache_dtype: torch.dtype,
+                 device: torch.device, seed: int):
+        """The draft's KV cache: the target's block count and cache dtype."""
         backend = target.attn_backend
         self.model = load_model(config.model, config.load_format, backend, dtype, device, seed)
         dcfg, tcfg = self.model.config, target.config
@@ -43,7 +45,7 @@ class DraftModelProposer:
             raise ValueError(f"draft model {config.model!r} has a vocabulary of {dcfg.vocab_size} "
                              f"tokens, the target {tcfg.vocab_size}: they must share one")
         shape = kv_cache_shape(num_blocks, block_size, dcfg.num_key_value_heads, dcfg.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
+        self.kv_caches = [torch.zeros(shape, dtype=cache_dtype, device=device)
                           for _ in range(dcfg.num_hidden_layers)]
         self.block_size, self.device = block_size, device
         # request -> (num_preemptions, valid positions, drafts last proposed)

@@ -53,5 +53,6 @@ def build_proposer(config: SpeculativeConfig, runner, dtype, device, seed: int) 
         return EarlyExitProposer(runner, config.num_layers)
     from sluice.engine.spec_decode.draft_model import DraftModelProposer
 
-    return DraftModelProposer(config, runner.model, runner.kv_caches[0].shape[1],
-                              runner.block_size, dtype, device, seed)
+    cache = runner.kv_caches[0]
+    return DraftModelProposer(config, runner.model, cache.shape[1], runner.block_size, dtype,
+                              cache.dtype, device, seed)
