@@ -88,7 +88,7 @@ NEGATIVE = [
     # quantized weights and KV cache: what the sluice engine takes
     ("spec.engine.quantization", "awq", "engine.quantization: the sluice engine takes gguf only"),
     ("spec.engine.lora", {}, "needs tensorParallelSize 1 and no engine.lora"),
-    ("spec.engine.kvCacheDtype", "fp8", "engine.kvCacheDtype other than auto needs engine kind"),
+    ("spec.engine.kvCacheDtype", "fp8_e5m2", "engine.kvCacheDtype fp8_e5m2 needs engine kind"),
     ("spec.model", _DELETE, "spec.model: Required value"),
     ("spec.engine.kind", "tgi", 'Unsupported value: "tgi"'),
     ("spec.engine.blockSize", 17, "Unsupported value: 17"),

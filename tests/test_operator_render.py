@@ -273,6 +273,7 @@ def test_engines_take_their_api_key_from_the_configured_secret():
 
 @pytest.mark.parametrize("kind, engine, flags", [
     ("sluice", {"quantization": "gguf"}, ["--quantization", "gguf"]),
+    ("sluice", {"kvCacheDtype": "fp8"}, ["--kv-cache-dtype", "fp8"]),
     ("vllm", {"quantization": "awq", "kvCacheDtype": "fp8"},
      ["--quantization", "awq", "--kv-cache-dtype", "fp8"]),
     ("vllm", {"kvCacheDtype": "auto"}, []),

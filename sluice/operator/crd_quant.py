@@ -1,7 +1,7 @@
 """OpenAPI v3 schema of quantized weights and KV cache in `spec.engine`: `quantization`
 (`--quantization`) and `kvCacheDtype` (`--kv-cache-dtype`), and the CEL rules for what the
 sluice engine takes: GGUF blocks kept (`gguf`), on one rank and without LoRA adapters, and
-a KV cache in the model's dtype. vLLM takes its own methods and an fp8 KV cache.
+a KV cache in the model's dtype or fp8 e4m3. vLLM takes its own methods and fp8 caches.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ def props() -> dict[str, Schema]:
             "stored; vLLM takes its methods (awq, gptq, fp8, ...). Default: the weights as "
             "the model stores them, dequantized to dtype.", enum=list(QUANTIZATIONS)),
         "kvCacheDtype": prop(
-            "string", "The KV cache's type (--kv-cache-dtype): auto (dtype) or, on vLLM, fp8 "
-            "(half the memory per token).", enum=list(KV_CACHE_DTYPES), default="auto"),
+            "string", "The KV cache's type (--kv-cache-dtype): auto (dtype), or fp8 / fp8_e4m3 "
+            "(one byte per value: twice the blocks in the same memory); fp8_e5m2 on vLLM "
+            "only.", enum=list(KV_CACHE_DTYPES), default="auto"),
     }
 
 
@@ -36,6 +37,7 @@ def rules() -> list[Schema]:
         cel(sluice_gguf + "(self.tensorParallelSize == 1 && !has(self.lora))",
             "engine.quantization gguf on the sluice engine needs tensorParallelSize 1 and no "
             "engine.lora"),
-        cel("self.kind != 'sluice' || self.kvCacheDtype == 'auto'",
-            "engine.kvCacheDtype other than auto needs engine kind vllm"),
+        cel("self.kind != 'sluice' || self.kvCacheDtype != 'fp8_e5m2'",
+            "engine.kvCacheDtype fp8_e5m2 needs engine kind vllm (the sluice engine's fp8 "
+            "is e4m3)"),
     ]
