@@ -88,21 +88,24 @@ def test_quantize_saturates_and_rounds_as_torch():
         kv_cache_dtype("fp8_e5m2", torch.bfloat16)
 
 
-def test_every_fp8_value_reads_back_as_torch_converts_it(ops):
-    """All 256 codes through the kernel's conversion: a one-key attention returns its value."""
-    codes = torch.arange(256, dtype=torch.uint8).view(FP8)
-    head_dim, block_size = 256, 1
-    cache = torch.zeros(kv_cache_shape(1, block_size, 1, head_dim), dtype=FP8)
-    cache.view(torch.uint8)[1, 0, 0, 0] = codes.view(torch.uint8)  # one value row; keys 0
-    q = torch.zeros(1, 1, head_dim)
-    meta = AttentionMetadata(torch.tensor([0]), torch.tensor([0, 1], dtype=torch.int32),
-                             torch.tensor([1], dtype=torch.int32),
-                             torch.tensor([[0]], dtype=torch.int32), [0, 1], [1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_fp8_value_reads_back_as_torch_converts_it(ops, dtype):
+    """All 256 codes through the kernel's conversions (bf16 at this shape takes the AVX-512
+    BF16 path's table where the CPU has one): four one-token sequences, each attending to a
+    single key, return its value row, 64 codes each, times the value scale."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    cache = torch.zeros(kv_cache_shape(4, 16, 1, 64), dtype=FP8)
+    cache.view(torch.uint8)[1, :, 0, 0] = codes.view(4, 64)  # value rows; keys 0
+    q = torch.zeros(4, 1, 64, dtype=dtype)
+    meta = AttentionMetadata(torch.zeros(4, dtype=torch.long),
+                             torch.arange(5, dtype=torch.int32), torch.ones(4, dtype=torch.int32),
+                             torch.arange(4, dtype=torch.int32).view(4, 1), list(range(5)),
+                             [1] * 4)
     out = CpuAttentionBackend(ops).attend(q, cache, meta, 1.0, KVScale(1.0, 3.0))
-    want = codes.float() * 3.0
+    got, want = out.float().flatten(), codes.view(FP8).float() * 3.0
     finite = ~want.isnan()
-    assert torch.equal(out[0, 0][finite], want[finite])
-    assert out[0, 0][~finite].isnan().all()  # e4m3's two NaN codes stay NaN
+    assert torch.equal(got[finite], want[finite])
+    assert got[~finite].isnan().all()  # e4m3's two NaN codes stay NaN
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

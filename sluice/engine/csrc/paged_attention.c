@@ -19,7 +19,10 @@
  * Everything is accumulated in float32; bfloat16 is read by widening and written with
  * round-to-nearest-even, as torch casts. The cache may instead hold float8 e4m3 (vLLM's
  * --kv-cache-dtype fp8: stored = x / scale, one scale for a layer's keys and one for its
- * values), read as its value times the scale; q and out keep the model's dtype. Loops are
+ * values); q and out keep the model's dtype. The scales are applied outside the tiles (the
+ * key scale with the softmax scale, the value scale with the final 1 / l), so a tile reads
+ * its stored values, exactly; the bf16 intrinsics take a tile converted to bf16 (exact).
+ * Loops are
  * shaped for the compiler's vectoriser (constant trip counts for the common shapes, see attend_dispatch); exp is a polynomial
  * (Cephes' expf: ~1 ulp) that vectorises where libm's does not. Items are spread over
  * OpenMP threads (torch's own libgomp once torch is loaded).
@@ -66,12 +69,11 @@ static inline float fp8_e4m3(uint8_t x) {
     return (x & 0x7F) == 0x7F ? __builtin_nanf("") : x & 0x80 ? -v : v;
 }
 
-/* n values from base[index:] as float32; fp8 ones times scale (other dtypes ignore it). */
-static inline void load_row(const void *base, int dtype, int64_t index, float *dst, int n,
-                            float scale) {
+/* n values from base[index:] as float32 (exactly). */
+static inline void load_row(const void *base, int dtype, int64_t index, float *dst, int n) {
     if (dtype == DTYPE_FP8_E4M3) {
         const uint8_t *src = (const uint8_t *)base + index;
-        for (int i = 0; i < n; i++) dst[i] = fp8_e4m3(src[i]) * scale;
+        for (int i = 0; i < n; i++) dst[i] = fp8_e4m3(src[i]);
     } else if (dtype == DTYPE_BF16) {
         const uint16_t *src = (const uint16_t *)base + index;
         for (int i = 0; i < n; i++) dst[i] = widen(src[i]);
@@ -90,7 +92,7 @@ static inline void store_row(void *base, int dtype, int64_t index, const float *
 }
 
 /* A layer's paged cache: k and v [num_blocks, kv_heads, block_size, head_dim] in dtype;
- * fp8 values are read times their scale. */
+ * an fp8 value means stored value x its scale. */
 typedef struct {
     const void *k, *v;
     int dtype;
@@ -176,7 +178,30 @@ static inline int64_t row_offset(int r, int q_start, int group, int kv_head, int
 #if defined(__AVX512BF16__)
 #include "paged_attention_bf16.h"
 #define INTRINSICS(dtype, kv_dtype, head_dim, block_size) \
-    ((dtype) == DTYPE_BF16 && (kv_dtype) == DTYPE_BF16 && (head_dim) == 64 && (block_size) == 16)
+    ((dtype) == DTYPE_BF16 && (kv_dtype) != DTYPE_F32 && (head_dim) == 64 && (block_size) == 16)
+
+/* An fp8 tile's first n (a multiple of 32) values as bf16, the rest 0. Exact: an e4m3 value
+ * is a bf16 value. A normal code's bf16 bits are its exponent and mantissa moved up 4 bits
+ * and rebiased (+120 << 7); the 8 subnormal magnitudes (m x 2^-9) and the NaN code come
+ * from a table, 32 codes per step. */
+static inline void fp8_tile_bf16(const uint8_t *src, int n, uint16_t *dst, int size) {
+    static const uint16_t subnormal[32] = {0, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40,
+                                           0x3C60};
+    const __m512i table = _mm512_loadu_si512(subnormal);
+    for (int i = 0; i < n; i += 32) {
+        const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(src + i)));
+        const __m512i em = _mm512_and_si512(x, _mm512_set1_epi16(0x7F));
+        __m512i v = _mm512_add_epi16(_mm512_slli_epi16(em, 4), _mm512_set1_epi16(120 << 7));
+        v = _mm512_mask_permutexvar_epi16(v, _mm512_cmplt_epu16_mask(em, _mm512_set1_epi16(8)),
+                                          em, table);
+        v = _mm512_mask_mov_epi16(v, _mm512_cmpeq_epi16_mask(em, _mm512_set1_epi16(0x7F)),
+                                  _mm512_set1_epi16(0x7FC0));
+        v = _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)),
+                                                 8));
+        _mm512_storeu_si512(dst + i, v);
+    }
+    for (int i = n; i < size; i++) dst[i] = 0;
+}
 #else
 #define INTRINSICS(dtype, kv_dtype, head_dim, block_size) 0
 #endif
@@ -188,8 +213,11 @@ static inline int64_t row_offset(int r, int q_start, int group, int kv_head, int
 static inline __attribute__((always_inline)) void attend_item(
         const void *q, void *out, const kv_cache_t *kv, const int32_t *table, int q_start,
         int q_len, int seq_len, int kv_head, int num_heads, int kv_heads,
-        const int head_dim, const int block_size, float scale, int dtype, float *scratch) {
+        const int head_dim, const int block_size, float softmax_scale, int dtype,
+        float *scratch) {
     const int group = num_heads / kv_heads;
+    const int fp8 = kv->dtype == DTYPE_FP8_E4M3;
+    const float scale = fp8 ? softmax_scale * kv->k_scale : softmax_scale;
     const int rows = q_len * group;
     float *qf = scratch;                      /* [rows, head_dim] */
     float *acc = qf + rows * head_dim;        /* [rows, head_dim] */
@@ -201,11 +229,14 @@ static inline __attribute__((always_inline)) void attend_item(
     float krow[MAX_DIM];
     /* bf16 intrinsics (cpu_attention_bf16.h) read q as stored: no float copy of it. */
     const int intrinsics = INTRINSICS(dtype, kv->dtype, head_dim, block_size);
+#if defined(__AVX512BF16__)
+    uint16_t k16[16 * 64], v16[16 * 64]; /* an fp8 block's tiles as bf16, for the intrinsics */
+#endif
 
     for (int r = 0; r < rows; r++) {
         if (!intrinsics) {
             load_row(q, dtype, row_offset(r, q_start, group, kv_head, num_heads, head_dim),
-                     qf + r * head_dim, head_dim, 1.0f);
+                     qf + r * head_dim, head_dim);
             for (int d = 0; d < head_dim; d++) qf[r * head_dim + d] *= scale;
         }
         m[r] = -1e30f;
@@ -231,16 +262,23 @@ static inline __attribute__((always_inline)) void attend_item(
         int r_first = 0;
         while (r_first < rows && seq_len - q_len + r_first / group + 1 - first <= 0) r_first++;
 #if defined(__AVX512BF16__)
+        const uint16_t *ktile = (const uint16_t *)kv->k + tile;
+        const uint16_t *vtile = (const uint16_t *)kv->v + tile;
+        if (intrinsics && fp8) {
+            fp8_tile_bf16((const uint8_t *)kv->k + tile, in_block * 64, k16, 16 * 64);
+            fp8_tile_bf16((const uint8_t *)kv->v + tile, in_block * 64, v16, 16 * 64);
+            ktile = k16;
+            vtile = v16;
+        }
         if (intrinsics && rows < TRANSPOSE_ROWS)
-            scores_bf16_64x16((const uint16_t *)q, (const uint16_t *)kv->k + tile, s, rows,
+            scores_bf16_64x16((const uint16_t *)q, ktile, s, rows,
                               q_start, group, kv_head, num_heads, scale);
         else
 #endif
         if (rows < TRANSPOSE_ROWS) {
             /* Few rows: a dot product per (row, key), reduced as a tree. */
             for (int t = 0; t < in_block; t++) {
-                load_row(kv->k, kv->dtype, tile + (int64_t)t * head_dim, krow, head_dim,
-                         kv->k_scale);
+                load_row(kv->k, kv->dtype, tile + (int64_t)t * head_dim, krow, head_dim);
                 for (int r = 0; r < rows; r++) {
                     const float *qr = qf + r * head_dim;
                     float dot = 0.0f;
@@ -252,7 +290,7 @@ static inline __attribute__((always_inline)) void attend_item(
 #if defined(__AVX512BF16__)
         } else if (intrinsics) {
             /* Many bf16 rows: the key tile as dimension pairs, then bf16 dot products. */
-            key_pairs_bf16_64x16((const uint16_t *)kv->k + tile, in_block, (uint32_t *)kt);
+            key_pairs_bf16_64x16(ktile, in_block, (uint32_t *)kt);
             tile_scores_bf16_64x16((const uint16_t *)q, (const uint32_t *)kt, s, r_first, rows,
                                    q_start, group, kv_head, num_heads, scale);
 #endif
@@ -260,8 +298,7 @@ static inline __attribute__((always_inline)) void attend_item(
             /* Many rows (a prefill tile): the key tile transposed once, then each row's scores
              * are head_dim broadcast multiply-adds over a whole block of keys. */
             for (int t = 0; t < in_block; t++) {
-                load_row(kv->k, kv->dtype, tile + (int64_t)t * head_dim, krow, head_dim,
-                         kv->k_scale);
+                load_row(kv->k, kv->dtype, tile + (int64_t)t * head_dim, krow, head_dim);
                 for (int d = 0; d < head_dim; d++) kt[d * block_size + t] = krow[d];
             }
             for (int t = in_block; t < block_size; t++)
@@ -272,14 +309,14 @@ static inline __attribute__((always_inline)) void attend_item(
         }
 #if defined(__AVX512BF16__)
         if (intrinsics) {
-            values_bf16_64x16(s, (const uint16_t *)kv->v + tile, acc, m, l,
+            values_bf16_64x16(s, vtile, acc, m, l,
                               seq_len - q_len + 1 - first, group, in_block, r_first, rows);
             continue;
         }
 #endif
         for (int t = 0; t < in_block; t++)
             load_row(kv->v, kv->dtype, tile + (int64_t)t * head_dim, vf + t * head_dim,
-                     head_dim, kv->v_scale);
+                     head_dim);
         for (int r = 0; r < rows; r++) {
             /* Keys this row may see in this block: causal for the row's query position. */
             int visible = seq_len - q_len + r / group + 1 - first;
@@ -296,7 +333,7 @@ static inline __attribute__((always_inline)) void attend_item(
     }
     for (int r = 0; r < rows; r++) {
         float *ar = acc + r * head_dim;
-        const float inv = 1.0f / l[r];
+        const float inv = (fp8 ? kv->v_scale : 1.0f) / l[r];
         for (int d = 0; d < head_dim; d++) ar[d] *= inv;
         store_row(out, dtype, row_offset(r, q_start, group, kv_head, num_heads, head_dim), ar,
                   head_dim);
