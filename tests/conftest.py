@@ -117,3 +117,19 @@ def kube_ns(kube_plane, request) -> str:
         kube_plane.kubectl("patch", pool, "-n", ns, "--type=merge",
                            "-p", '{"metadata":{"finalizers":null}}', check=False)
     kube_plane.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="session")
+def opticks():
+    """The default model's tokenizer, tests/data/opticks.txt's ids, and the model's bf16
+    perplexity of it (weights dequantized, cache in bf16)."""
+    from perplexity import TEXT, perplexity
+
+    from sluice.default_model import resolve_default_model
+    from sluice.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_path(resolve_default_model())
+    ids = tok.encode(TEXT.read_text())
+    base = perplexity(tok, ids)
+    assert len(ids) > 3000 and 10 < base < 20, "a model that reads English"
+    return tok, ids, base
