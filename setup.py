@@ -36,6 +36,7 @@ SOURCES = {
     # Integer dot products per block; a row's float sum over the blocks in order, and an
     # embedding row dequantized as the gguf package does (no fused multiply-adds).
     "gguf.c": ["-O3", "-fno-math-errno", "-ffp-contract=off"],
+    "gguf_k.c": ["-O3", "-fno-math-errno", "-ffp-contract=off"],  # (gguf.c's K-quants)
 }
 # Best last; the names are those torch_bindings.cpp checks the CPU for.
 VARIANTS = {

@@ -3,7 +3,8 @@
 //     (float32 or bfloat16) for W the file's blocks, uint8 [n, bytes per row];
 //   torch.ops.sluice.gguf_dequantize(w, type, ids) -> float32 [len(ids), k]: rows of W (an
 //     embedding lookup).
-// Types are GGMLQuantizationType values: Q4_0 (2), Q4_1 (3), Q8_0 (8).
+// Types are GGMLQuantizationType values: Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), Q5_K (13),
+// Q6_K (14); their block sizes are gguf.h's.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -14,29 +15,24 @@
 #include <cstdint>
 
 #include "dispatch.h"
+#include "gguf.h"
 
 namespace {
 
+// Values per activation block (quantize_q8's d and s are per block).
 constexpr int64_t kBlock = 32;
 // Output features per task: a task of a decode step should still stream a few KiB of
 // weights, so the threads share a layer without a parallel region per handful of rows.
 constexpr int64_t kOutsPerTask = 32;
-
-int64_t block_bytes(int64_t type) {
-    switch (type) {
-        case 2: return 18;  // Q4_0: half d, 16 bytes of codes
-        case 3: return 20;  // Q4_1: half d, half m, 16 bytes of codes
-        case 8: return 34;  // Q8_0: half d, 32 int8 codes
-    }
-    TORCH_CHECK(false, "GGUF type ", type, " has no kernel (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
-}
 
 // Checks w and returns its blocks per row.
 int64_t blocks_per_row(const at::Tensor &w, int64_t type) {
     check_cpu(w, "w");
     TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
                 "w: uint8 [n, bytes per row], contiguous");
-    const int64_t bytes = block_bytes(type);
+    const int64_t bytes = block_bytes(static_cast<int>(type));
+    TORCH_CHECK(bytes > 0, "GGUF type ", type, " has no kernel (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, ",
+                "Q4_K = 12, Q5_K = 13, Q6_K = 14)");
     TORCH_CHECK(w.size(1) % bytes == 0, "a row of w is not whole blocks of ", bytes, " bytes");
     return w.size(1) / bytes;
 }
@@ -49,7 +45,8 @@ constexpr int64_t kMaxDotRows = 4;
 constexpr int64_t kTileOuts = 2048;
 
 at::Tensor tiled(const at::Tensor &x, const at::Tensor &w, int64_t type, int64_t nb) {
-    const int64_t n = w.size(0), k = nb * kBlock, stride = w.size(1);
+    const int64_t n = w.size(0), k = nb * block_values(static_cast<int>(type));
+    const int64_t stride = w.size(1);
     const Variant &v = current();
     at::Tensor y = at::empty({x.size(0), n}, x.options());
     for (int64_t start = 0; start < n; start += kTileOuts) {
@@ -74,7 +71,8 @@ at::Tensor tiled(const at::Tensor &x, const at::Tensor &w, int64_t type, int64_t
 
 at::Tensor gguf_linear(const at::Tensor &x, const at::Tensor &w, int64_t type) {
     check_cpu(x, "x");
-    const int64_t nb = blocks_per_row(w, type), k = nb * kBlock, n = w.size(0);
+    const int64_t nb = blocks_per_row(w, type), n = w.size(0);
+    const int64_t k = nb * block_values(static_cast<int>(type)), blocks = k / kBlock;
     TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x: [rows, ", k, "]");
     TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
                 "x: float32 or bfloat16");
@@ -82,16 +80,16 @@ at::Tensor gguf_linear(const at::Tensor &x, const at::Tensor &w, int64_t type) {
     if (rows > kMaxDotRows) return tiled(x, w, type, nb);
     const at::Tensor xf = x.to(at::kFloat).contiguous();
     at::Tensor q = at::empty({rows, k}, x.options().dtype(at::kChar));
-    at::Tensor d = at::empty({rows, nb}, x.options().dtype(at::kFloat));
-    at::Tensor s = at::empty({rows, nb}, x.options().dtype(at::kFloat));
+    at::Tensor d = at::empty({rows, blocks}, x.options().dtype(at::kFloat));
+    at::Tensor s = at::empty({rows, blocks}, x.options().dtype(at::kFloat));
     at::Tensor y = at::empty({rows, n}, x.options().dtype(at::kFloat));
     const Variant &v = current();
     const float *src = in<float>(xf);
     int8_t *qp = out_of<int8_t>(q);
     float *dp = out_of<float>(d), *sp = out_of<float>(s), *yp = out_of<float>(y);
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-        v.quantize_q8(src + begin * k, k, end - begin, k, qp + begin * k, dp + begin * nb,
-                      sp + begin * nb);
+        v.quantize_q8(src + begin * k, k, end - begin, k, qp + begin * k, dp + begin * blocks,
+                      sp + begin * blocks);
     });
     const uint8_t *wp = in<uint8_t>(w);
     const int64_t stride = w.size(1);
@@ -109,14 +107,14 @@ at::Tensor gguf_dequantize(const at::Tensor &w, int64_t type, const at::Tensor &
     const int64_t m = idx.numel(), *ip = in<int64_t>(idx);
     for (int64_t i = 0; i < m; i++)
         TORCH_CHECK(0 <= ip[i] && ip[i] < n, "row ", ip[i], " of ", n);
-    at::Tensor out = at::empty({m, nb * kBlock}, w.options().dtype(at::kFloat));
+    const int64_t k = nb * block_values(static_cast<int>(type));
+    at::Tensor out = at::empty({m, k}, w.options().dtype(at::kFloat));
     const Variant &v = current();
     const uint8_t *wp = in<uint8_t>(w);
     float *op = out_of<float>(out);
     at::parallel_for(0, m, 64, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; i++)
-            v.gguf_dequantize(static_cast<int>(type), wp + ip[i] * w.size(1), nb,
-                              op + i * nb * kBlock);
+            v.gguf_dequantize(static_cast<int>(type), wp + ip[i] * w.size(1), nb, op + i * k);
     });
     return out;
 }
