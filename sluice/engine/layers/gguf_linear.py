@@ -1,9 +1,10 @@
 """Layers over GGUF's quantized blocks as the file stores them (`--quantization gguf`):
-the weights stay the file's bytes, a third of bf16's for 4-bit types. A call of a few rows
-(a decode) multiplies the blocks as they are (csrc/gguf.c: activations rounded to 8 bits
-per block of 32, integer dot products, llama.cpp's scheme); more rows go through a tile of
-dequantized weights made for the call (gguf_bindings.cpp). Tensors of a type without a
-kernel (F32, F16, BF16, the K-quants) are dequantized at load into the engine dtype and
+the weights stay the file's bytes, a third of bf16's for 4-bit types. Types with a kernel:
+Q4_0, Q4_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K (KERNEL_TYPES). A call of a few rows
+(a decode) multiplies the blocks as they are (csrc/gguf.c, gguf_k.c: activations rounded to
+8 bits per block of 32, integer dot products, llama.cpp's scheme); more rows go through a
+tile of dequantized weights made for the call (gguf_bindings.cpp). Tensors of other types
+(F32, F16, BF16, Q5_0, Q2_K, ...) are dequantized at load into the engine dtype and
 multiplied by torch.
 
 - `GGUFLinear`: a projection whose output is its parts (transformers' names) concatenated;
@@ -24,7 +25,8 @@ from torch import nn
 
 from sluice.engine.layers.parallel_linear import check_shape
 
-KERNEL_TYPES = frozenset({2, 3, 8})  # GGMLQuantizationType: Q4_0, Q4_1, Q8_0
+# GGMLQuantizationType: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K (csrc/gguf.h)
+KERNEL_TYPES = frozenset({2, 3, 8, 12, 13, 14})
 _FLOAT = -1  # a part held dequantized
 
 
