@@ -148,8 +148,9 @@ class EngineConfig:
     kv_transfer: KVTransferConfig | None = None  # disaggregated prefill/decode (kv_transfer/)
     lora: LoRAConfig | None = None  # --enable-lora (lora/); None: base model only
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    # --quantization gguf: a GGUF file's quantized blocks kept and multiplied as stored
-    # (layers/gguf_linear.py); None: weights dequantized to --dtype at load
+    # --quantization (layers/quantization.py): gguf, a GGUF file's quantized blocks kept
+    # and multiplied as stored; fp8, e4m3 weights (quantized at load unless the checkpoint
+    # stores them); None: the checkpoint's own method, else its weights in --dtype
     quantization: str | None = None
 
     def __post_init__(self) -> None:
@@ -161,12 +162,14 @@ class EngineConfig:
             raise ValueError("--enable-lora is not supported with --tensor-parallel-size > 1")
 
     def _check_quantization(self) -> None:
-        if self.quantization != "gguf":
-            raise ValueError(f"--quantization {self.quantization!r}: only 'gguf' is supported")
-        if not self.model.endswith(".gguf") or self.load_format == "dummy":
-            raise ValueError("--quantization gguf takes a .gguf model file")
+        q = self.quantization
+        if q not in ("gguf", "fp8"):
+            raise ValueError(f"--quantization {q!r}: choose gguf or fp8")
+        if (q == "gguf") != self.model.endswith(".gguf") or self.load_format == "dummy":
+            raise ValueError("--quantization gguf takes a .gguf model file, fp8 a "
+                             "Hugging Face folder")
         if self.lora is not None or self.parallel.tensor_parallel_size > 1:
-            raise ValueError("--quantization gguf is not supported with --enable-lora or "
+            raise ValueError(f"--quantization {q} is not supported with --enable-lora or "
                              "--tensor-parallel-size > 1")
 
 

@@ -21,8 +21,8 @@ import torch
 from sluice.engine.attention.backend import AttentionBackend
 from sluice.engine.config import ModelConfig
 from sluice.engine.distributed.parallel_state import SINGLE, TPGroup
-from sluice.engine.layers.gguf_linear import GGUFQuant
 from sluice.engine.layers.parallel_linear import ColumnParallelLinear, check_shape
+from sluice.engine.layers.quantization import quant_method
 from sluice.engine.lora.layers import LoRAContext
 from sluice.engine.models.causal_lm import CausalLM
 from sluice.engine.models.registry import model_class
@@ -55,17 +55,21 @@ def load_model(model: str, load_format: str, backend: AttentionBackend, dtype: t
                device: torch.device, seed: int = 0,
                weights: Iterator[tuple[str, torch.Tensor]] | None = None,
                lora: LoRAContext | None = None, tp: TPGroup = SINGLE,
-               quant: GGUFQuant | None = None) -> CausalLM:
+               quantization: str | None = None) -> CausalLM:
     """Build the model (with LoRA layers given a context; this rank's shard given a
-    tensor-parallel group; a GGUF file's quantized blocks kept given `quant`); `weights`
-    (transformers names) overrides the checkpoint or dummy init."""
+    tensor-parallel group; the layers of `--quantization`'s method, or of the one the
+    checkpoint declares); `weights` (transformers names) overrides the checkpoint or
+    dummy init."""
     hf_config = read_hf_config(model, load_format)
     cfg = ModelConfig.from_hf(hf_config)
+    quant = quant_method(quantization, hf_config, dtype, tp)
     with torch.device(device):
         lm = model_class(cfg.architecture)(cfg, backend, lora=lora, tp=tp, quant=quant)
-    # Parameters take the engine dtype; rotary frequencies stay float32.
+    # Parameters take the engine dtype (fp8 weights stay e4m3); rotary frequencies and
+    # quantization scales (buffers) stay float32.
     for p in lm.parameters():
-        p.data = p.data.to(dtype)
+        if p.dtype != torch.float8_e4m3fn:
+            p.data = p.data.to(dtype)
     if weights is None:
         if load_format == "dummy":
             weights = _dummy_weights(cfg, backend, dtype, device, seed)

@@ -14,7 +14,6 @@ from sluice.engine.attention.kv_quant import kv_cache_dtype
 from sluice.engine.attention.torch_backend import TorchAttentionBackend
 from sluice.engine.config import EngineConfig
 from sluice.engine.distributed.parallel_state import TPGroup
-from sluice.engine.layers.gguf_linear import GGUFQuant
 from sluice.engine.loader import load_model
 from sluice.engine.lora.layers import LoRAContext
 from sluice.engine.model_runner import ModelRunner, num_kv_blocks
@@ -80,9 +79,8 @@ def build_model_runner(config: EngineConfig, device: torch.device, dtype: torch.
                        lora: LoRAContext | None = None) -> ModelRunner:
     """This rank's model shard and the KV cache for its heads: as many blocks as the
     smallest rank's budget holds, so every rank's block ids mean the same tokens."""
-    quant = GGUFQuant(dtype) if config.quantization == "gguf" else None
     model = load_model(config.model, config.load_format, attention_backend(config, device),
-                       dtype, device, config.seed, weights, lora, tp, quant)
+                       dtype, device, config.seed, weights, lora, tp, config.quantization)
     cache_dtype = kv_cache_dtype(config.cache.cache_dtype, dtype)
     peak = _step_peak(config, model, device, cache_dtype)
     num_blocks = tp.all_reduce_min(

@@ -32,10 +32,19 @@ _FLOAT = -1  # a part held dequantized
 
 @dataclass(frozen=True)
 class GGUFQuant:
-    """Chosen by `--quantization gguf`: the engine dtype of activations and of the
-    tensors dequantized at load."""
+    """Chosen by `--quantization gguf` (a QuantMethod, layers/quantization.py): the engine
+    dtype of activations and of the tensors dequantized at load."""
 
     dtype: torch.dtype
+
+    def linear(self, in_features: int, parts: dict[str, int], bias: bool) -> GGUFLinear:
+        return GGUFLinear(in_features, parts, bias, self)
+
+    def embedding(self, vocab_size: int, hidden_size: int) -> GGUFEmbedding:
+        return GGUFEmbedding(vocab_size, hidden_size, self)
+
+    def lm_head(self, embedding: GGUFEmbedding, tied: bool) -> GGUFLMHead:
+        return GGUFLMHead(embedding, tied)
 
 
 def _loaded(full, rows: int, cols: int, what: str, dtype: torch.dtype) -> tuple[int, torch.Tensor]:

@@ -19,13 +19,13 @@ import torch
 from torch import nn
 
 from sluice.engine.distributed.parallel_state import SINGLE, TPGroup
-from sluice.engine.layers.gguf_linear import GGUFLinear, GGUFQuant
 from sluice.engine.layers.parallel_linear import (
     ColumnParallelLinear,
     PartShard,
     RowParallelLinear,
     column_shards,
 )
+from sluice.engine.layers.quantization import QuantMethod
 from sluice.engine.lora.punica import LoRAMapping, lora_ops
 
 
@@ -94,13 +94,13 @@ class LoRALinear(ColumnParallelLinear):
 
 def column_linear(in_features: int, shards: dict[str, PartShard], bias: bool,
                   lora: LoRAContext | None, tp: TPGroup,
-                  quant: GGUFQuant | None = None) -> nn.Module:
+                  quant: QuantMethod | None = None) -> nn.Module:
     """The projection whose output is the parts `shards` names (transformers' module
     names), concatenated: column-parallel, a LoRALinear when the model serves adapters, or
-    a GGUFLinear over the file's quantized blocks."""
+    the quantization method's layer."""
     if quant is not None:
-        assert tp.world_size == 1 and lora is None, "GGUF blocks: one rank, no adapters"
-        return GGUFLinear(in_features, {n: s.total for n, s in shards.items()}, bias, quant)
+        assert tp.world_size == 1 and lora is None, "quantized: one rank, no adapters"
+        return quant.linear(in_features, {n: s.total for n, s in shards.items()}, bias)
     if lora is None:
         return ColumnParallelLinear(in_features, shards, bias, tp)
     assert tp.world_size == 1, "adapters are served without tensor parallelism (config)"
@@ -109,12 +109,12 @@ def column_linear(in_features: int, shards: dict[str, PartShard], bias: bool,
 
 def row_linear(in_features: int, part: str, out_features: int, bias: bool,
                lora: LoRAContext | None, tp: TPGroup,
-               quant: GGUFQuant | None = None) -> nn.Module:
+               quant: QuantMethod | None = None) -> nn.Module:
     """The projection `part` that takes a column-parallel layer's output: row-parallel, a
-    LoRALinear when the model serves adapters, or a GGUFLinear."""
+    LoRALinear when the model serves adapters, or the quantization method's layer."""
     if quant is not None:
-        assert tp.world_size == 1 and lora is None, "GGUF blocks: one rank, no adapters"
-        return GGUFLinear(in_features, {part: out_features}, bias, quant)
+        assert tp.world_size == 1 and lora is None, "quantized: one rank, no adapters"
+        return quant.linear(in_features, {part: out_features}, bias)
     if lora is None:
         return RowParallelLinear(in_features, out_features, bias, tp)
     assert tp.world_size == 1, "adapters are served without tensor parallelism (config)"

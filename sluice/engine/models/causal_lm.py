@@ -3,8 +3,8 @@ of the family's decoder layers, a final RMSNorm, and an LM head (tied to the emb
 where the config says so). Parameter names follow transformers', except that q/k/v and
 gate/up are fused (`qkv_proj`, `gate_up_proj`); the loader concatenates them. Built with a
 `LoRAContext`, the projections a PEFT adapter may target are LoRA layers (lora/layers.py).
-Built with `GGUFQuant`, the embedding, the projections and the LM head keep a GGUF
-file's quantized blocks (layers/gguf_linear.py). Built with a tensor-parallel group of N
+Built with a quantization method (layers/quantization.py), its layers replace the plain
+ones: a GGUF file's blocks kept, or fp8 projections. Built with a tensor-parallel group of N
 ranks, each rank's model holds its shard (a 1/N
 slice of the vocabulary, of every layer's heads and of the MLP) and `compute_logits`
 returns the whole vocabulary's logits on rank 0, None on the others.
@@ -20,9 +20,9 @@ from torch import nn
 from sluice.engine.attention.backend import AttentionBackend, AttentionMetadata
 from sluice.engine.config import ModelConfig
 from sluice.engine.distributed.parallel_state import SINGLE, TPGroup
-from sluice.engine.layers.gguf_linear import GGUFEmbedding, GGUFLMHead, GGUFQuant
 from sluice.engine.layers.layernorm import RMSNorm
 from sluice.engine.layers.parallel_linear import kv_heads_per_rank
+from sluice.engine.layers.quantization import QuantMethod
 from sluice.engine.layers.rotary_embedding import RotaryEmbedding
 from sluice.engine.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from sluice.engine.lora.layers import LoRAContext
@@ -31,11 +31,11 @@ from sluice.engine.lora.layers import LoRAContext
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
                  layer_cls: type[nn.Module], lora: LoRAContext | None, tp: TPGroup,
-                 quant: GGUFQuant | None):
+                 quant: QuantMethod | None):
         super().__init__()
+        embed = quant.embedding(cfg.vocab_size, cfg.hidden_size) if quant else None
         self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-                             if quant is None
-                             else GGUFEmbedding(cfg.vocab_size, cfg.hidden_size, quant))
+                             if embed is None else embed)
         self.layers = nn.ModuleList(layer_cls(cfg, backend, lora, tp, quant)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -52,14 +52,15 @@ class CausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
                  lora: LoRAContext | None = None, tp: TPGroup = SINGLE,
-                 quant: GGUFQuant | None = None):
+                 quant: QuantMethod | None = None):
         super().__init__()
         self.config = cfg
         self.attn_backend = backend
         self.lora, self.tp = lora, tp
         self.model = DecoderModel(cfg, backend, self.layer_cls, lora, tp, quant)
-        head = ParallelLMHead if quant is None else GGUFLMHead
-        self.lm_head = head(self.model.embed_tokens, cfg.tie_word_embeddings)
+        embed, tied = self.model.embed_tokens, cfg.tie_word_embeddings
+        head = quant.lm_head(embed, tied) if quant else None
+        self.lm_head = ParallelLMHead(embed, tied) if head is None else head
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata,

@@ -16,9 +16,9 @@ from sluice.engine.config import ModelConfig
 from sluice.engine.distributed.parallel_state import SINGLE, TPGroup
 from sluice.engine.layers.activation import SiluAndMul
 from sluice.engine.layers.attention import Attention
-from sluice.engine.layers.gguf_linear import GGUFQuant
 from sluice.engine.layers.layernorm import RMSNorm
 from sluice.engine.layers.parallel_linear import column_shards, kv_heads_per_rank, qkv_shards
+from sluice.engine.layers.quantization import QuantMethod
 from sluice.engine.layers.rotary_embedding import RotaryEmbedding
 from sluice.engine.lora.layers import LoRAContext, column_linear, row_linear
 from sluice.engine.models.causal_lm import CausalLM
@@ -29,7 +29,7 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
                  lora: LoRAContext | None = None, tp: TPGroup = SINGLE,
-                 quant: GGUFQuant | None = None):
+                 quant: QuantMethod | None = None):
         super().__init__()
         n, head_dim = tp.world_size, cfg.head_dim
         shards = qkv_shards(cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, tp)
@@ -68,7 +68,7 @@ class LlamaMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
 
     def __init__(self, cfg: ModelConfig, lora: LoRAContext | None = None,
-                 tp: TPGroup = SINGLE, quant: GGUFQuant | None = None):
+                 tp: TPGroup = SINGLE, quant: QuantMethod | None = None):
         super().__init__()
         f = cfg.intermediate_size
         self.gate_up_proj = column_linear(
@@ -86,7 +86,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
                  lora: LoRAContext | None = None, tp: TPGroup = SINGLE,
-                 quant: GGUFQuant | None = None):
+                 quant: QuantMethod | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = self.attention_cls(cfg, backend, lora, tp, quant)

@@ -8,8 +8,8 @@ import torch
 from sluice.engine.attention.backend import AttentionBackend
 from sluice.engine.config import ModelConfig
 from sluice.engine.distributed.parallel_state import SINGLE, TPGroup
-from sluice.engine.layers.gguf_linear import GGUFQuant
 from sluice.engine.layers.layernorm import RMSNorm
+from sluice.engine.layers.quantization import QuantMethod
 from sluice.engine.lora.layers import LoRAContext
 from sluice.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
@@ -17,7 +17,7 @@ from sluice.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaF
 class Qwen3Attention(LlamaAttention):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
                  lora: LoRAContext | None = None, tp: TPGroup = SINGLE,
-                 quant: GGUFQuant | None = None):
+                 quant: QuantMethod | None = None):
         super().__init__(cfg, backend, lora, tp, quant)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
