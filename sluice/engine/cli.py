@@ -83,12 +83,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "cores, at most the CPUs this process may use (affinity and cgroup "
                         "quota) minus one left to the API process; oversubscribed threads "
                         "stall)")
-    p.add_argument("--quantization", "-q", default=None, choices=["gguf", "fp8"],
+    p.add_argument("--quantization", "-q", default=None, choices=["gguf", "fp8", "gptq", "awq"],
                    help="gguf: keep a GGUF file's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K "
                         "blocks and multiply them as stored (other types are dequantized to "
                         "--dtype); fp8: e4m3 weights, quantized at load from a bf16 folder "
                         "(a folder whose config declares fp8 is read as such without the "
-                        "flag); default: the checkpoint's weights in --dtype")
+                        "flag); gptq, awq: a folder of GPTQ (4-bit, desc_act false) or AWQ "
+                        "(4-bit gemm) weights, read as such with or without the flag; "
+                        "default: the checkpoint's weights in --dtype")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many ranks, one process each: GPUs 0 .. "
                         "N-1 on CUDA (NCCL), core groups of --num-threads each on the CPU "

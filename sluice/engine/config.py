@@ -150,7 +150,8 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     # --quantization (layers/quantization.py): gguf, a GGUF file's quantized blocks kept
     # and multiplied as stored; fp8, e4m3 weights (quantized at load unless the checkpoint
-    # stores them); None: the checkpoint's own method, else its weights in --dtype
+    # stores them); gptq, awq: a checkpoint's int4 weights (the checkpoint's config decides
+    # anyway); None: the checkpoint's own method, else its weights in --dtype
     quantization: str | None = None
 
     def __post_init__(self) -> None:
@@ -163,11 +164,11 @@ class EngineConfig:
 
     def _check_quantization(self) -> None:
         q = self.quantization
-        if q not in ("gguf", "fp8"):
-            raise ValueError(f"--quantization {q!r}: choose gguf or fp8")
+        if q not in ("gguf", "fp8", "gptq", "awq"):
+            raise ValueError(f"--quantization {q!r}: choose gguf, fp8, gptq or awq")
         if (q == "gguf") != self.model.endswith(".gguf") or self.load_format == "dummy":
             raise ValueError("--quantization gguf takes a .gguf model file, fp8 a "
-                             "Hugging Face folder")
+                             "Hugging Face folder (so do gptq and awq)")
         if self.lora is not None or self.parallel.tensor_parallel_size > 1:
             raise ValueError(f"--quantization {q} is not supported with --enable-lora or "
                              "--tensor-parallel-size > 1")

@@ -4,7 +4,9 @@ layers are built, chosen once at start-up and handed to the model's constructors
 - `GGUFQuant` (layers/gguf_linear.py, `--quantization gguf`): a GGUF file's blocks kept,
   for the projections, the embedding and the LM head;
 - `FP8Quant` (layers/fp8_linear.py, `--quantization fp8` or a checkpoint declaring it):
-  e4m3 projections; embedding and LM head as the checkpoint stores them.
+  e4m3 projections; embedding and LM head as the checkpoint stores them;
+- `Int4Quant` (layers/int4_linear.py, a checkpoint declaring gptq or awq): packed int4
+  projections (W4A16); embedding and LM head in float, as those checkpoints store them.
 `None` builds the plain (tensor-parallel) layers.
 """
 
@@ -37,8 +39,12 @@ def quant_method(name: str | None, hf_config: dict, dtype: torch.dtype,
     """The method `--quantization name` asks for, or the checkpoint's config declares."""
     from sluice.engine.layers.fp8_linear import fp8_quant
     from sluice.engine.layers.gguf_linear import GGUFQuant
+    from sluice.engine.layers.int4_linear import int4_quant
 
-    quant = GGUFQuant(dtype) if name == "gguf" else fp8_quant(hf_config, name, dtype)
+    if name == "gguf":
+        quant = GGUFQuant(dtype)
+    else:
+        quant = int4_quant(hf_config, name, dtype) or fp8_quant(hf_config, name, dtype)
     if quant is not None and tp.world_size > 1:
         raise ValueError(f"a {type(quant).__name__} model is served on one rank: "
                          "--tensor-parallel-size 1")
