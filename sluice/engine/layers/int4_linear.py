@@ -11,8 +11,8 @@ The tensors (`qweight`, `qzeros`, `scales`) and their packings: layers/int4_matm
 parts (q/k/v, gate/up) are concatenated along the output. `--quantization gptq|awq` may
 be given; the checkpoint's config decides, and a float checkpoint is not quantized at load.
 
-How they are multiplied: on CUDA the packed weights stay as they are and int4_matmul's
-Triton kernel unpacks each tile inside the GEMM; elsewhere (CPUs) the weights are
+How they are multiplied: on CUDA (sm_80 and later) the packed weights stay as they are and
+int4_matmul's Triton kernel unpacks each tile inside the GEMM; elsewhere (CPUs) the weights are
 dequantized once, after loading, to the engine dtype and multiplied as a plain `Linear`:
 the checkpoint's values, not its size. Embedding and LM head are stored in float (AutoGPTQ
 and AutoAWQ leave them so; `lm_head: true` is refused). One rank, no adapters.
@@ -55,7 +55,8 @@ class Int4Quant:
 
 
 def uses_int4_kernel(device: torch.device) -> bool:
-    return device.type == "cuda"
+    # Ampere and later: Triton's bf16 dots (an older GPU multiplies the dequantized weights)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def unpack(words: torch.Tensor, dim: int, packing: int = GPTQ) -> torch.Tensor:
