@@ -281,6 +281,7 @@ for packing, offset in ((K.GPTQ, 1), (K.AWQ, 0)):
 """
 
 
+@pytest.mark.slow  # compiles four kernels (~4 s)
 def test_compiles_for_sm90(tmp_path):
     """The kernel as int4_mm launches it compiles for sm_90 (bf16 tensor-core dots)."""
     import subprocess
