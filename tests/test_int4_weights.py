@@ -1,21 +1,21 @@
-"""GPTQ and AWQ int4 weights (layers/int4_linear.py, layers/int4_matmul.py).
+"""GPTQ and AWQ int4 weights (layers/int4_linear.py).
 
-The formats are pinned by a reference written here from their specification (AutoGPTQ's
-and AutoAWQ's packers, vLLM's readers), checked on hand-packed words; a tiny random Llama
-is quantized here per group and saved as each checkpoint. On the CPU the engine multiplies
-the dequantized weights: they equal the reference exactly, and the tokens equal a plain
-engine's over the same values. The Triton kernel (the CUDA path) runs in the interpreter.
-"""
+The formats are pinned by a reference written from their specification (int4_formats.py),
+checked here on hand-packed words; a tiny random Llama is quantized here per group and
+saved as each checkpoint. On the CPU the engine multiplies the dequantized weights: they
+equal the reference exactly, and the tokens equal a plain engine's over the same values.
+The layer's CUDA path runs its Triton kernel in the interpreter (the kernel alone:
+test_int4_matmul.py)."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from int4_formats import pack, reference
 from safetensors.torch import load_file, save_file
 from test_fp8_weights import _generate, _plain_with
 
@@ -23,46 +23,11 @@ from sluice.engine.attention.torch_backend import TorchAttentionBackend
 from sluice.engine.config import EngineConfig, ParallelConfig
 from sluice.engine.layers import int4_linear
 from sluice.engine.layers.int4_linear import Int4Linear, unpack
-from sluice.engine.layers.int4_matmul import AWQ, GPTQ, int4_mm
+from sluice.engine.layers.int4_matmul import AWQ, GPTQ
 from sluice.engine.layers.quantization import quant_method
 from sluice.engine.loader import load_model
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's gemm packer: nibble j <- column AWQ_ORDER[j]
-
-
-# -- the reference, from the format specification ------------------------------------------
-
-def _pack(codes: torch.Tensor, along_out: bool, awq: bool = False) -> torch.Tensor:
-    """codes [in, out] (0..15) -> int32 words: eight codes of consecutive inputs (GPTQ's
-    qweight) or outputs (qzeros, AWQ's qweight), code t of a word in bits 4t (AWQ: code t
-    is column AWQ_ORDER[t] of the eight)."""
-    c = codes.long() if along_out else codes.long().T
-    groups = c.unflatten(1, (-1, 8))
-    order = AWQ_ORDER if awq else list(range(8))
-    word = sum(groups[..., order[t]] << (4 * t) for t in range(8))
-    word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)  # two's complement
-    return (word if along_out else word.T).contiguous()
-
-
-def _code(words: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, nibble: torch.Tensor):
-    return (words[rows][:, cols].long() >> (4 * nibble)) & 0xF
-
-
-def _reference(fmt: str, qweight, qzeros, scales, group: int, zero_offset: int):
-    """W [out, in] in float32: W[o, i] = (q[i, o] - z[i // G, o]) x s[i // G, o], each code
-    read on its own from its word and nibble."""
-    n = scales.shape[1]
-    k = qweight.shape[0] * (8 if fmt == "gptq" else 1)
-    i, o = torch.arange(k), torch.arange(n)
-    if fmt == "gptq":  # word i // 8 of column o, nibble i % 8
-        q = _code(qweight, i // 8, o, (i % 8)[:, None])
-        zero_nibble = o % 8
-    else:  # word o // 8 of row i, the nibble that holds column o % 8
-        zero_nibble = torch.tensor([AWQ_ORDER.index(c) for c in range(8)])[o % 8]
-        q = _code(qweight, i, o // 8, zero_nibble[None, :])
-    z = _code(qzeros, i // group, o // 8, zero_nibble[None, :]) + zero_offset
-    return ((q - z) * scales.float()[i // group]).T
 
 
 def test_hand_packed_words_unpack_in_each_order():
@@ -74,17 +39,17 @@ def test_hand_packed_words_unpack_in_each_order():
     awq = torch.tensor([[0x86427531 - 2**32]], dtype=torch.int32)
     assert unpack(awq, 1, AWQ).view(-1).tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
     cols = torch.arange(1, 9).view(1, 8)
-    assert torch.equal(_pack(cols, along_out=True, awq=True), awq)
-    assert torch.equal(_pack(cols, along_out=True), word)
-    assert torch.equal(_pack(cols.T, along_out=False), word)
+    assert torch.equal(pack(cols, along_out=True, awq=True), awq)
+    assert torch.equal(pack(cols, along_out=True), word)
+    assert torch.equal(pack(cols.T, along_out=False), word)
     # the reference reads the same words: a GPTQ column of inputs 1..8, zero 1 (v1: 0 + 1)
     scales = torch.full((1, 8), 0.5, dtype=torch.float16)
     zeros = torch.zeros(1, 1, dtype=torch.int32)
-    gptq_w = _reference("gptq", word.expand(1, 8).contiguous(), zeros, scales, 8, 1)
+    gptq_w = reference("gptq", word.expand(1, 8).contiguous(), zeros, scales, 8, 1)
     assert gptq_w[3].tolist() == [0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5]
-    awq_w = _reference("awq", awq.expand(8, 1).contiguous(), awq[:1], scales, 8, 0)
+    awq_w = reference("awq", awq.expand(8, 1).contiguous(), awq[:1], scales, 8, 0)
     assert awq_w.tolist() == [[0.0] * 8] * 8  # each column's codes equal its zero
-    awq_w = _reference("awq", awq.expand(8, 1).contiguous(), zeros, scales, 8, 0)
+    awq_w = reference("awq", awq.expand(8, 1).contiguous(), zeros, scales, 8, 0)
     assert awq_w[:, 0].tolist() == [0.5 * c for c in range(1, 9)]
 
 
@@ -96,9 +61,9 @@ def test_the_packers_and_the_reference_agree_on_random_codes(fmt):
     zeros = torch.randint(0, 16, (k // group, n), generator=gen)
     scales = torch.rand(k // group, n, generator=gen).half()
     awq = fmt == "awq"
-    qweight = _pack(codes, along_out=awq, awq=awq)
+    qweight = pack(codes, along_out=awq, awq=awq)
     assert qweight.shape == ((k, n // 8) if awq else (k // 8, n))
-    w = _reference(fmt, qweight, _pack(zeros, along_out=True, awq=awq), scales, group, 0)
+    w = reference(fmt, qweight, pack(zeros, along_out=True, awq=awq), scales, group, 0)
     want = (codes - zeros.repeat_interleave(group, 0)) * scales.float().repeat_interleave(
         group, 0)
     assert torch.equal(w, want.T)
@@ -147,13 +112,13 @@ def _int4_checkpoint(float_model: Path, folder: Path, fmt: str, group: int):
         g = t.shape[1] if group == -1 else group
         codes, zeros, scales = _quantize(t, g, 0 if awq else 1)
         stored_zeros = zeros if awq else zeros - 1  # GPTQ v1 stores zero - 1
-        tensors = {"qweight": _pack(codes, along_out=awq, awq=awq),
-                   "qzeros": _pack(stored_zeros, along_out=True, awq=awq), "scales": scales}
+        tensors = {"qweight": pack(codes, along_out=awq, awq=awq),
+                   "qzeros": pack(stored_zeros, along_out=True, awq=awq), "scales": scales}
         if not awq:
             tensors |= {"g_idx": torch.arange(t.shape[1], dtype=torch.int32) // g,
                         "bias": torch.zeros(t.shape[0], dtype=torch.float16)}
         out |= {f"{base}.{k}": v for k, v in tensors.items()}
-        dequantized[name] = _reference(fmt, tensors["qweight"], tensors["qzeros"], scales,
+        dequantized[name] = reference(fmt, tensors["qweight"], tensors["qzeros"], scales,
                                        g, 0 if awq else 1)
         want = (codes - zeros.repeat_interleave(g, 0)) * scales.float().repeat_interleave(g, 0)
         assert torch.equal(dequantized[name], want.T)  # the packing round-trips
@@ -210,93 +175,6 @@ def test_the_gpu_path_multiplies_the_packed_weights(float_model, tmp_path, monke
         want = x @ w.T
         torch.testing.assert_close(module(x), want, rtol=0,
                                    atol=1e-5 * want.abs().max().item())
-
-
-# -- the kernel ----------------------------------------------------------------------------
-
-@pytest.mark.slow  # Triton's interpreter on CPU
-@pytest.mark.parametrize("m, n, k, group, fmt", [
-    (1, 96, 256, 128, "gptq"), (5, 200, 384, 64, "gptq"), (33, 64, 256, 256, "gptq"),
-    (1, 96, 256, 128, "awq"), (5, 200, 384, 32, "awq"), (33, 136, 256, 64, "awq"),
-])
-def test_int4_mm_equals_the_dequantized_product(m, n, k, group, fmt):
-    gen = torch.Generator().manual_seed(m * 1000 + n + k + group)
-    awq = fmt == "awq"
-
-    def words(rows, cols):
-        return torch.randint(-2**31, 2**31, (rows, cols), generator=gen, dtype=torch.int64).to(
-            torch.int32)
-
-    qweight = words(k, n // 8) if awq else words(k // 8, n)
-    qzeros = words(k // group, n // 8)
-    scales = (torch.rand(k // group, n, generator=gen) * 0.01).half().float()
-    offset = 0 if awq else 1
-    x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
-    want = x @ _reference(fmt, qweight, qzeros, scales, group, offset).T + bias
-    got = int4_mm(x, qweight, qzeros, scales, group, AWQ if awq else GPTQ, offset, bias)
-    # float32 sums of the same products in another order (scales applied per K step)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-
-
-@pytest.mark.slow  # Triton's interpreter on CPU
-@pytest.mark.parametrize("fmt", ["gptq", "awq"])
-def test_int4_mm_in_fp16_rounds_only_the_output(fmt):
-    """fp16 activations (a GPU engine's dtype): the codes are exact in fp16 and the sums
-    float32, so the result is the float32 product of the fp16 activations, rounded once.
-    (bf16 is not checked here: Triton 3.7's interpreter gets bf16 dots and int -> bf16
-    conversions wrong; the sm_90 compile check builds the bf16 kernel.)"""
-    gen = torch.Generator().manual_seed(7)
-    awq, (m, n, k, group) = fmt == "awq", (3, 64, 256, 128)
-    qweight = torch.randint(-2**31, 2**31, (k, n // 8) if awq else (k // 8, n), generator=gen,
-                            dtype=torch.int64).to(torch.int32)
-    qzeros = torch.randint(-2**31, 2**31, (k // group, n // 8), generator=gen,
-                           dtype=torch.int64).to(torch.int32)
-    scales = torch.rand(k // group, n, generator=gen) * 0.01
-    x = torch.randn(m, k, generator=gen).half()
-    got = int4_mm(x, qweight, qzeros, scales, group, AWQ if awq else GPTQ, 0 if awq else 1)
-    want = x.float() @ _reference(fmt, qweight, qzeros, scales, group, 0 if awq else 1).T
-    assert got.dtype == torch.float16
-    # one fp16 rounding of the output (2^-11 relative), float32 sums in another order
-    torch.testing.assert_close(got.float(), want, rtol=2**-10, atol=1e-5 * want.abs().max())
-
-
-_AOT_SCRIPT = r"""
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from sluice.engine.layers import int4_matmul as K
-
-fn = K._int4_mm_kernel
-types = {"x_ptr": "*bf16", "qw_ptr": "*i32", "qz_ptr": "*i32", "s_ptr": "*fp32",
-         "bias_ptr": "*bf16", "out_ptr": "*bf16"}
-for packing, offset in ((K.GPTQ, 1), (K.AWQ, 0)):
-    for block_m in (16, 64):  # int4_mm's two row tiles
-        consts = dict(PACKING=packing, ZERO_OFFSET=offset, HAS_BIAS=True, BLOCK_M=block_m,
-                      BLOCK_N=64, BLOCK_K=K.block_k(128))
-        sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-        kernel = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": 4})
-        assert "mma" in kernel.asm["ptx"], "no tensor-core dot"
-        print("ok", packing, block_m, flush=True)
-"""
-
-
-@pytest.mark.slow  # compiles four kernels (~4 s)
-def test_compiles_for_sm90(tmp_path):
-    """The kernel as int4_mm launches it compiles for sm_90 (bf16 tensor-core dots)."""
-    import subprocess
-    import sys
-
-    import triton
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this triton build has no bundled ptxas")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    root = Path(__file__).resolve().parent.parent
-    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, cwd=root,
-                         capture_output=True, text=True, timeout=300, check=False)
-    assert res.returncode == 0 and res.stdout.count("ok") == 4, res.stdout + res.stderr
 
 
 # -- refusals ------------------------------------------------------------------------------
