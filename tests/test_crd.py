@@ -86,7 +86,8 @@ def _lora(name: str, path: str = "/adapters/sql") -> dict:
 NEGATIVE = [
     ("spec.replicas", -1, "spec.replicas in body should be greater than or equal to 0"),
     # quantized weights and KV cache: what the sluice engine takes
-    ("spec.engine.quantization", "awq", "engine.quantization: the sluice engine takes gguf only"),
+    ("spec.engine.quantization", "bitsandbytes",
+     "engine.quantization: the sluice engine takes gguf, fp8, gptq or awq"),
     ("spec.engine.lora", {}, "needs tensorParallelSize 1 and no engine.lora"),
     ("spec.engine.kvCacheDtype", "fp8_e5m2", "engine.kvCacheDtype fp8_e5m2 needs engine kind"),
     ("spec.model", _DELETE, "spec.model: Required value"),
