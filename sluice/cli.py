@@ -23,6 +23,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "flow"), "sluice.bench.flow_control",
      "priorities and tenants under saturation, with and without flow control"),
     (("bench", "step"), "sluice.bench.step_profile", "where a decode step's time goes"),
+    (("bench", "gguf"), "sluice.bench.gguf_matvec",
+     "one decode matvec per GGUF type and kernel build, against bf16"),
     (("bench", "lora"), "sluice.bench.lora", "serving with LoRA adapters against the base model"),
     (("bench", "structured"), "sluice.bench.structured",
      "what structured outputs add to a decode step"),

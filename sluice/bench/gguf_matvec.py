@@ -4,13 +4,13 @@ per kernel build: the median of 2,000 calls after 200 warm-up calls, per in x ou
 K-quant row is whole superblocks of 256, so a 576-wide input (SmolLM2's hidden size) has no
 K-quant form (llama.cpp falls back to Q5_0 there): 768 x 1536 stands in for it.
 
-    python scripts/bench_gguf_matvec.py [ISA ...]     (default: every build this CPU runs)
+    sluice bench gguf [--isa ISA ...]     (default: every build this CPU runs)
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
-import sys
 import time
 
 import numpy as np
@@ -52,11 +52,18 @@ def median_ms(fn, *args, calls: int = 2000, warm: int = 200) -> float:
     return statistics.median(times) * 1e3
 
 
-def main() -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--isa", nargs="*", default=None,
+                   help="kernel builds to time (default: every one this CPU runs)")
+
+
+def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     ops = kernels.ops()
+    if ops is None:
+        raise SystemExit("the engine's kernels are not built (sluice.engine._C)")
     rng = np.random.default_rng(0)
-    isas = sys.argv[1:] or list(ops.cpu_isas())
+    isas = args.isa or list(ops.cpu_isas())
     print("one thread, ms per call; bf16: torch's linear of the dequantized weights")
     for k, n in SHAPES:
         x = torch.randn(1, k).to(torch.bfloat16)
@@ -71,6 +78,4 @@ def main() -> None:
                                                       int(qtype))
                 row.append(f"{qtype.name} " + ("-" if ms is None else f"{ms:.4f}"))
             print(f"  {isa:>10}: " + ", ".join(row))
-
-if __name__ == "__main__":
-    main()
+    return 0
