@@ -24,6 +24,7 @@ from sluice.engine.attention.kv_quant import (
     quantize,
 )
 from sluice.engine.attention.torch_backend import TorchAttentionBackend
+from sluice.engine.config import CacheConfig
 
 SCALE = KVScale(0.02, 0.5)  # keys at 50x, values at 2x their stored values
 # (cached, new) per sequence: a prefill, a prefix hit, decodes, and one long enough for the
@@ -85,7 +86,7 @@ def test_quantize_saturates_and_rounds_as_torch():
     assert kv_cache_dtype("fp8", torch.bfloat16) == FP8 == kv_cache_dtype("fp8_e4m3", torch.float32)
     assert kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
     with pytest.raises(ValueError, match="fp8_e5m2.*auto, fp8, fp8_e4m3"):
-        kv_cache_dtype("fp8_e5m2", torch.bfloat16)
+        CacheConfig(cache_dtype="fp8_e5m2")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

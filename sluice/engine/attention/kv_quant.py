@@ -5,8 +5,9 @@ of a bfloat16 cache.
 Scaling is vLLM's: a layer has one scale for its keys and one for its values (`KVScale`,
 1.0 unless the checkpoint gives `self_attn.k_scale` / `v_scale`); the cache stores
 x / scale, saturated to e4m3's +-448, and attention reads value x scale. Every backend
-writes through `quantize` (torch rounds to nearest even) and reads with the same formula,
-so they hold and see the same bits.
+writes through `quantize` (torch rounds to nearest even), so they hold the same bits; the
+CPU kernel applies the scales to the scores and the output rather than to each value (the
+same result up to float32 rounding).
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ class KVScale:
 
 
 def kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    """The cache's torch dtype for --kv-cache-dtype `name` and model dtype `dtype`."""
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"--kv-cache-dtype {name!r}: choose one of {', '.join(KV_CACHE_DTYPES)}")
+    """The cache's torch dtype for --kv-cache-dtype `name` (CacheConfig checked it) and model
+    dtype `dtype`."""
+    assert name in KV_CACHE_DTYPES, name
     return dtype if name == "auto" else FP8
 
 

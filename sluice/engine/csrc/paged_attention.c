@@ -21,10 +21,10 @@
  * --kv-cache-dtype fp8: stored = x / scale, one scale for a layer's keys and one for its
  * values); q and out keep the model's dtype. The scales are applied outside the tiles (the
  * key scale with the softmax scale, the value scale with the final 1 / l), so a tile reads
- * its stored values, exactly; the bf16 intrinsics take a tile converted to bf16 (exact).
- * Loops are
- * shaped for the compiler's vectoriser (constant trip counts for the common shapes, see attend_dispatch); exp is a polynomial
- * (Cephes' expf: ~1 ulp) that vectorises where libm's does not. Items are spread over
+ * its stored values, exactly (fp8.h); the bf16 intrinsics take a tile converted to bf16.
+ * Loops are shaped for the compiler's vectoriser (constant trip counts for the common
+ * shapes, see attend_dispatch); exp is a polynomial (Cephes' expf: ~1 ulp) that vectorises
+ * where libm's does not. Items are spread over
  * OpenMP threads (torch's own libgomp once torch is loaded).
  */
 #include <stdint.h>
@@ -32,6 +32,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "fp8.h"
 #include "isa.h"
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_FP8_E4M3 = 2 };
@@ -56,17 +57,6 @@ static inline float exp_poly(float x) {
     bits32 scale;
     scale.u = (uint32_t)((int32_t)n + 127) << 23;
     return p * scale.f;
-}
-
-/* e4m3 (bias 7, no infinities, S.1111.111 NaN) as its value: the significand as an integer
- * (8 + m, or m when subnormal) times 2^(max(e, 1) - 10), built from normal floats only, so
- * the loop vectorises without subnormal operands. */
-static inline float fp8_e4m3(uint8_t x) {
-    const int e = (x >> 3) & 0xF, m = x & 7;
-    bits32 pow2;
-    pow2.u = (uint32_t)((e ? e : 1) + 117) << 23;
-    const float v = (float)(e ? m + 8 : m) * pow2.f;
-    return (x & 0x7F) == 0x7F ? __builtin_nanf("") : x & 0x80 ? -v : v;
 }
 
 /* n values from base[index:] as float32 (exactly). */
@@ -180,28 +170,6 @@ static inline int64_t row_offset(int r, int q_start, int group, int kv_head, int
 #define INTRINSICS(dtype, kv_dtype, head_dim, block_size) \
     ((dtype) == DTYPE_BF16 && (kv_dtype) != DTYPE_F32 && (head_dim) == 64 && (block_size) == 16)
 
-/* An fp8 tile's first n (a multiple of 32) values as bf16, the rest 0. Exact: an e4m3 value
- * is a bf16 value. A normal code's bf16 bits are its exponent and mantissa moved up 4 bits
- * and rebiased (+120 << 7); the 8 subnormal magnitudes (m x 2^-9) and the NaN code come
- * from a table, 32 codes per step. */
-static inline void fp8_tile_bf16(const uint8_t *src, int n, uint16_t *dst, int size) {
-    static const uint16_t subnormal[32] = {0, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40,
-                                           0x3C60};
-    const __m512i table = _mm512_loadu_si512(subnormal);
-    for (int i = 0; i < n; i += 32) {
-        const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(src + i)));
-        const __m512i em = _mm512_and_si512(x, _mm512_set1_epi16(0x7F));
-        __m512i v = _mm512_add_epi16(_mm512_slli_epi16(em, 4), _mm512_set1_epi16(120 << 7));
-        v = _mm512_mask_permutexvar_epi16(v, _mm512_cmplt_epu16_mask(em, _mm512_set1_epi16(8)),
-                                          em, table);
-        v = _mm512_mask_mov_epi16(v, _mm512_cmpeq_epi16_mask(em, _mm512_set1_epi16(0x7F)),
-                                  _mm512_set1_epi16(0x7FC0));
-        v = _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)),
-                                                 8));
-        _mm512_storeu_si512(dst + i, v);
-    }
-    for (int i = n; i < size; i++) dst[i] = 0;
-}
 #else
 #define INTRINSICS(dtype, kv_dtype, head_dim, block_size) 0
 #endif
@@ -254,7 +222,8 @@ static inline __attribute__((always_inline)) void attend_item(
          * one long run keeps more lines in flight than three short ones. */
         if (b + 1 < num_blocks) {
             const int whole = kv_head == 0;
-            prefetch_tile(kv, (((int64_t)table[b + 1] * kv_heads + kv_head) * block_size) * head_dim,
+            prefetch_tile(kv,
+                          (((int64_t)table[b + 1] * kv_heads + kv_head) * block_size) * head_dim,
                           (whole ? kv_heads : 1) * block_size * head_dim);
         }
         /* Rows that see none of this block's keys are skipped (a causal tile's first rows at
@@ -346,7 +315,8 @@ static inline __attribute__((always_inline)) void attend_item(
 
 /* The common (head_dim, block_size) pairs get constant-size loops; others the general one. */
 static void attend_dispatch(const void *q, void *out, const kv_cache_t *kv,
-                            const int32_t *table, int q_start, int q_len, int seq_len, int kv_head, int num_heads, int kv_heads, int head_dim,
+                            const int32_t *table, int q_start, int q_len, int seq_len,
+                            int kv_head, int num_heads, int kv_heads, int head_dim,
                             int block_size, float scale, int dtype, float *scratch) {
     if (head_dim == 64 && block_size == 16)
         attend_item(ITEM_ARGS, 64, 16, ITEM_TAIL);
@@ -386,8 +356,8 @@ int SLUICE_KERNEL(paged_attention)(const void *q, void *out, const void *k_cache
         for (int item = 0; item < num_seqs * kv_heads; item++) {
             if (scratch == NULL) continue;
             const int i = item / kv_heads, h = item % kv_heads;
-            attend_dispatch(q, out, kv, block_tables + (int64_t)seq_rows[i] * table_stride, q_starts[i],
-                            q_lens[i], seq_lens[i], h, num_heads, kv_heads, head_dim, block_size,
+            attend_dispatch(q, out, kv, block_tables + (int64_t)seq_rows[i] * table_stride,
+                            q_starts[i], q_lens[i], seq_lens[i], h, num_heads, kv_heads, head_dim, block_size,
                             scale, dtype, scratch);
         }
         free(scratch);
