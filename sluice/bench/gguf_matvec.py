@@ -1,7 +1,7 @@
 """One decode-shaped matvec (1 row, bf16 activations, one thread) through the GGUF kernels
 (Q4_K, Q5_K, Q6_K, Q4_1) and through torch's bf16 linear of the same weights dequantized,
-per kernel build: the median of 2,000 calls after 200 warm-up calls, per in x out shape. A
-K-quant row is whole superblocks of 256, so a 576-wide input (SmolLM2's hidden size) has no
+per kernel build: the median of `--calls` calls (2,000) after a tenth as many to warm up,
+per in x out shape. A K-quant row is whole superblocks of 256, so a 576-wide input (SmolLM2's hidden size) has no
 K-quant form (llama.cpp falls back to Q5_0 there): 768 x 1536 stands in for it.
 
     sluice bench gguf [--isa ISA ...]     (default: every build this CPU runs)
@@ -41,8 +41,8 @@ def blocks(qtype, k: int, n: int, rng: np.random.Generator) -> np.ndarray | None
     return raw.reshape(n, -1)
 
 
-def median_ms(fn, *args, calls: int = 2000, warm: int = 200) -> float:
-    for _ in range(warm):
+def median_ms(fn, *args, calls: int) -> float:
+    for _ in range(max(calls // 10, 1)):  # warm-up
         fn(*args)
     times = []
     for _ in range(calls):
@@ -55,6 +55,7 @@ def median_ms(fn, *args, calls: int = 2000, warm: int = 200) -> float:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--isa", nargs="*", default=None,
                    help="kernel builds to time (default: every one this CPU runs)")
+    p.add_argument("--calls", type=int, default=2000, help="timed calls per figure (median)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -69,13 +70,13 @@ def main(args: argparse.Namespace) -> int:
         x = torch.randn(1, k).to(torch.bfloat16)
         made = {t: blocks(t, k, n, rng) for t in TYPES}
         w16 = torch.from_numpy(dequantize(made[Q.Q4_1], Q.Q4_1).reshape(n, k)).to(torch.bfloat16)
-        print(f"{k} x {n}: bf16 {median_ms(F.linear, x, w16):.4f}")
+        print(f"{k} x {n}: bf16 {median_ms(F.linear, x, w16, calls=args.calls):.4f}")
         for isa in isas:
             ops.select_cpu_isa(isa)
             row = []
             for qtype, b in made.items():
                 ms = None if b is None else median_ms(ops.gguf_linear, x, torch.from_numpy(b),
-                                                      int(qtype))
+                                                      int(qtype), calls=args.calls)
                 row.append(f"{qtype.name} " + ("-" if ms is None else f"{ms:.4f}"))
             print(f"  {isa:>10}: " + ", ".join(row))
     return 0
