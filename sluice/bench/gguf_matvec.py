@@ -1,8 +1,9 @@
 """One decode-shaped matvec (1 row, bf16 activations, one thread) through the GGUF kernels
 (Q4_K, Q5_K, Q6_K, Q4_1) and through torch's bf16 linear of the same weights dequantized,
 per kernel build: the median of `--calls` calls (2,000) after a tenth as many to warm up,
-per in x out shape. A K-quant row is whole superblocks of 256, so a 576-wide input (SmolLM2's hidden size) has no
-K-quant form (llama.cpp falls back to Q5_0 there): 768 x 1536 stands in for it.
+per in x out shape. A K-quant row is whole superblocks of 256, so a 576-wide input
+(SmolLM2's hidden size) has no K-quant form (llama.cpp falls back to Q5_0 there):
+768 x 1536 stands in for it.
 
     sluice bench gguf [--isa ISA ...]     (default: every build this CPU runs)
 """
