@@ -31,9 +31,10 @@ from sluice.engine.layers.parallel_linear import check_shape
 
 @dataclass(frozen=True)
 class FP8Quant:
-    """A QuantMethod (layers/quantization.py). dtype: the engine's (activations, dequantized weights); block: 128 for 128 x 128
-    block scales, 0 for one scale per output channel (a per-tensor scale is that, repeated);
-    stored: the checkpoint holds e4m3 weights and scales (False: quantize at load)."""
+    """A QuantMethod (layers/quantization.py). dtype: the engine's (activations, dequantized
+    weights); block: 128 for 128 x 128 block scales, 0 for one scale per output channel (a
+    per-tensor scale is that, repeated); stored: the checkpoint holds e4m3 weights and
+    scales (False: quantize at load)."""
 
     dtype: torch.dtype
     block: int = 0
