@@ -22,6 +22,7 @@ from sluice.engine.layers.fp8_scaled_mm import FP8, quantize_per_token
 from sluice.engine.layers.quantization import quant_method
 from sluice.engine.llm_engine import LLMEngine
 from sluice.engine.loader import load_model
+from sluice.engine.lora.config import LoRAConfig
 from sluice.engine.sampling_params import SamplingParams
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -158,6 +159,9 @@ def test_what_fp8_refuses(float_model, tmp_path):
     with pytest.raises(ValueError, match="served on one rank"):
         quant_method(None, json.loads((folder / "config.json").read_text()), torch.float32,
                      SimpleNamespace(world_size=2))
+    with pytest.raises(ValueError, match="served without LoRA adapters"):
+        LLMEngine(EngineConfig(model=str(folder), served_model_name="m", lora=LoRAConfig(),
+                               cache=CacheConfig(num_blocks=16)))
     with pytest.raises(ValueError, match="not supported with --enable-lora or --tensor"):
         EngineConfig(model=str(float_model), served_model_name="m", quantization="fp8",
                      parallel=ParallelConfig(2))

@@ -63,6 +63,9 @@ def load_model(model: str, load_format: str, backend: AttentionBackend, dtype: t
     hf_config = read_hf_config(model, load_format)
     cfg = ModelConfig.from_hf(hf_config)
     quant = quant_method(quantization, hf_config, dtype, tp)
+    if quant is not None and lora is not None:  # (a checkpoint may declare it: not the config)
+        raise ValueError(f"a {type(quant).__name__} model is served without LoRA adapters: "
+                         "drop --enable-lora")
     with torch.device(device):
         lm = model_class(cfg.architecture)(cfg, backend, lora=lora, tp=tp, quant=quant)
     # Parameters take the engine dtype (fp8 weights stay e4m3); rotary frequencies and
