@@ -133,3 +133,20 @@ def opticks():
     base = perplexity(tok, ids)
     assert len(ids) > 3000 and 10 < base < 20, "a model that reads English"
     return tok, ids, base
+
+
+@pytest.fixture(scope="session")
+def float_model(tmp_path_factory):
+    """A tiny random Llama whose projections split into 128-row blocks and 128-wide input
+    groups (hidden 256, q 256, k and v 128 each, MLP 512), saved by transformers, float32."""
+    import torch
+    from hf_models import tiny_config
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(tiny_config("llama"), hidden_size=256, intermediate_size=512,
+               num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=torch.float32)
+    folder = tmp_path_factory.mktemp("float") / "m"
+    model.save_pretrained(folder)
+    return folder

@@ -33,3 +33,24 @@ def perplexity(tok: Tokenizer, ids: list[int], step_tokens: int = 2048,
     logprobs = [e.logprob for e in entries[1:]]
     assert len(logprobs) == len(ids) - 1
     return math.exp(-sum(logprobs) / len(logprobs))
+
+
+def teacher_forced(engine: LLMEngine, prompts: list[list[int]],
+                   texts: list[list[int]]) -> tuple[int, int, list[int | None]]:
+    """Each prompt with its reference text fed as prompt: at how many of the text's positions
+    the engine's own argmax is the reference token (prompt logprob rank 1), out of how many,
+    and the first position where it is not, per prompt."""
+    agree = total = 0
+    first_divergence = []
+    for i, (prompt, text) in enumerate(zip(prompts, texts)):
+        engine.add_request(f"forced-{i}", prompt + text,
+                           SamplingParams(max_tokens=1, prompt_logprobs=0))
+        entries = None
+        while engine.has_unfinished():
+            for out in engine.step():
+                entries = entries or out.prompt_logprobs
+        ranks = [e.rank for e in entries[len(prompt):]]
+        agree += sum(r == 1 for r in ranks)
+        total += len(ranks)
+        first_divergence.append(next((j for j, r in enumerate(ranks) if r != 1), None))
+    return agree, total, first_divergence

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 from engine_server import EngineProcess
-from perplexity import perplexity
+from perplexity import perplexity, teacher_forced
 from prometheus_client import generate_latest
 
 from sluice.default_model import resolve_default_model
@@ -40,15 +40,6 @@ def _engine(tok, cache_dtype: str, dtype: str = "float32", **cache) -> LLMEngine
     return LLMEngine(EngineConfig(model=resolve_default_model(), served_model_name="m",
                                   dtype=dtype, cache=CacheConfig(cache_dtype=cache_dtype,
                                                                  **cache)), tok)
-
-
-def _prompt_logprobs(engine: LLMEngine, ids: list[int]) -> list:
-    engine.add_request(uuid.uuid4().hex, ids, SamplingParams(max_tokens=1, prompt_logprobs=0))
-    entries = None
-    while engine.has_unfinished():
-        for out in engine.step():
-            entries = entries or out.prompt_logprobs
-    return entries
 
 
 def test_fp8_holds_twice_the_blocks_of_the_same_memory(tok):
@@ -77,13 +68,7 @@ def test_fp8_picks_the_model_dtype_caches_tokens_on_90_percent_of_positions(tok)
         model=resolve_default_model(), served_model_name="m", dtype="float32",
         cache=CacheConfig(num_blocks=256, cache_dtype="fp8"),
         scheduler=SchedulerConfig(max_num_batched_tokens=4)), tok)
-    agree = total = 0
-    first_divergence = []
-    for prompt, text in zip(prompts, texts):
-        ranks = [e.rank for e in _prompt_logprobs(fp8, prompt + text)[len(prompt):]]
-        agree += sum(r == 1 for r in ranks)
-        total += len(ranks)
-        first_divergence.append(next((j for j, r in enumerate(ranks) if r != 1), None))
+    agree, total, first_divergence = teacher_forced(fp8, prompts, texts)
     print(f"agreement {agree}/{total}; first divergence per prompt {first_divergence}")
     assert total == len(QUESTIONS) * 32 and agree / total >= 0.9, (agree, first_divergence)
 

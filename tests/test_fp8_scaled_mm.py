@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+from triton_aot import run_aot_script
 
 from sluice.engine.layers.fp8_scaled_mm import FP8, GROUP, quantize_per_token, scaled_mm
 
@@ -95,17 +96,5 @@ for group in (0, K.GROUP):
 
 def test_compiles_for_sm90(tmp_path):
     """The kernel as scaled_mm launches it compiles for sm_90 (fp8 tensor-core dots)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import triton
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this triton build has no bundled ptxas")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    root = Path(__file__).resolve().parent.parent
-    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, cwd=root,
-                         capture_output=True, text=True, timeout=300, check=False)
+    res = run_aot_script(_AOT_SCRIPT, tmp_path)
     assert res.returncode == 0 and res.stdout.count("ok") == 4, res.stdout + res.stderr

@@ -30,22 +30,6 @@ PROMPTS = [[1, 17, 99, 254, 3], [1, 400, 8, 8, 8, 61, 77]]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def float_model(tmp_path_factory) -> Path:
-    """A tiny random Llama whose projections split into 128-row blocks (hidden 256, q 256,
-    k and v 128 each, MLP 512), float32."""
-    from hf_models import tiny_config
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = dict(tiny_config("llama"), hidden_size=256, intermediate_size=512,
-               num_attention_heads=4, num_key_value_heads=2)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=torch.float32)
-    folder = tmp_path_factory.mktemp("float") / "m"
-    model.save_pretrained(folder)
-    return folder
-
-
 def _block_scales(w: torch.Tensor) -> torch.Tensor:
     blocks = w.abs().unflatten(0, (-1, 128)).unflatten(2, (-1, 128)).amax(dim=(1, 3))
     return blocks / 448

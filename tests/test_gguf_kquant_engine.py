@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from perplexity import teacher_forced
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize
@@ -100,20 +101,7 @@ def test_quantized_picks_the_float32_paths_tokens(model_path, step_tokens):
             for qtype, _ in m.runs}
     kept |= {m.data[0] for m in quantized.model.modules() if isinstance(m, GGUFEmbedding)}
     assert kept == {int(Q.Q4_K), int(Q.Q5_K), int(Q.Q6_K)}, "every matrix kept as blocks"
-    agree = total = 0
-    first_divergence = []
-    for i, (prompt, text) in enumerate(zip(prompts, texts)):
-        # the float32 path's text, teacher-forced: prompt logprob rank 1 = the same argmax
-        quantized.add_request(f"p{i}", prompt + text,
-                              SamplingParams(max_tokens=1, prompt_logprobs=0))
-        entries = None
-        while quantized.has_unfinished():
-            for out in quantized.step():
-                entries = entries or out.prompt_logprobs
-        ranks = [e.rank for e in entries[len(prompt):]]
-        agree += sum(r == 1 for r in ranks)
-        total += len(ranks)
-        first_divergence.append(next((j for j, r in enumerate(ranks) if r != 1), None))
+    agree, total, first_divergence = teacher_forced(quantized, prompts, texts)
     assert total == PROMPTS * NEW_TOKENS
     print(f"agreement {agree}/{total}; first divergence per prompt {first_divergence}")
     assert agree / total >= (0.95 if step_tokens == 4 else 1.0), (agree, total,

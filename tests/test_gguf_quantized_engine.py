@@ -9,6 +9,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from engine_server import EngineProcess
+from perplexity import teacher_forced
 
 from sluice.default_model import resolve_default_model
 from sluice.engine.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
@@ -39,20 +40,7 @@ def test_quantized_picks_the_float32_paths_tokens_on_95_percent_of_positions(ste
     texts = _engine(tok).generate(prompts, greedy)
     quantized = _engine(tok, quantization="gguf",
                         scheduler=SchedulerConfig(max_num_batched_tokens=step_tokens))
-    agree = total = 0
-    first_divergence = []
-    for i, (prompt, text) in enumerate(zip(prompts, texts)):
-        # the float32 path's text, teacher-forced: prompt logprob rank 1 = the same argmax
-        quantized.add_request(f"p{i}", prompt + text,
-                              SamplingParams(max_tokens=1, prompt_logprobs=0))
-        entries = None
-        while quantized.has_unfinished():
-            for out in quantized.step():
-                entries = entries or out.prompt_logprobs
-        ranks = [e.rank for e in entries[len(prompt):]]
-        agree += sum(r == 1 for r in ranks)
-        total += len(ranks)
-        first_divergence.append(next((j for j, r in enumerate(ranks) if r != 1), None))
+    agree, total, first_divergence = teacher_forced(quantized, prompts, texts)
     assert total == len(QUESTIONS) * 32
     print(f"agreement {agree}/{total}; first divergence per prompt {first_divergence}")
     assert agree / total >= (0.95 if step_tokens == 4 else 1.0), (agree, total,

@@ -5,12 +5,10 @@ interpreter."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
 from int4_formats import reference
+from triton_aot import run_aot_script
 
 from sluice.engine.layers.int4_matmul import AWQ, GPTQ, int4_mm
 
@@ -84,16 +82,5 @@ for packing, offset in ((K.GPTQ, 1), (K.AWQ, 0)):
 
 def test_compiles_for_sm90(tmp_path):
     """The kernel as int4_mm launches it compiles for sm_90 (bf16 tensor-core dots)."""
-    import subprocess
-    import sys
-
-    import triton
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this triton build has no bundled ptxas")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    root = Path(__file__).resolve().parent.parent
-    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, cwd=root,
-                         capture_output=True, text=True, timeout=300, check=False)
+    res = run_aot_script(_AOT_SCRIPT, tmp_path)
     assert res.returncode == 0 and res.stdout.count("ok") == 4, res.stdout + res.stderr

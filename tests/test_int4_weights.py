@@ -72,21 +72,6 @@ def test_the_packers_and_the_reference_agree_on_random_codes(fmt):
 
 # -- checkpoints ---------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def float_model(tmp_path_factory) -> Path:
-    """A tiny random Llama (hidden 256, q 256, k and v 128 each, MLP 512), float32."""
-    from hf_models import tiny_config
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = dict(tiny_config("llama"), hidden_size=256, intermediate_size=512,
-               num_attention_heads=4, num_key_value_heads=2)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=torch.float32)
-    folder = tmp_path_factory.mktemp("float") / "m"
-    model.save_pretrained(folder)
-    return folder
-
-
 def _quantize(w: torch.Tensor, group: int, min_zero: int):
     """w [out, in] -> codes [in, out], zeros and fp16 scales [in / G, out]: per group of
     inputs and output, min..max onto 0..15 (the zero at least min_zero)."""

@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
+from triton_aot import run_aot_script
 
 from sluice.engine.attention.backend import AttentionMetadata, kv_cache_shape
 from sluice.engine.attention.torch_backend import TorchAttentionBackend
@@ -315,17 +316,5 @@ for label, t, s, h, kvh, d, bs, dt, *kv in [
 @pytest.mark.skipif(CUDA, reason="on a GPU the tests above run the compiled kernels")
 def test_compiles_for_sm90(tmp_path):
     """The kernels compile for sm_90 as `plan` configures them, without register spills."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import triton
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this triton build has no bundled ptxas")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    root = Path(__file__).resolve().parent.parent
-    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, cwd=root,
-                         capture_output=True, text=True, timeout=300, check=False)
+    res = run_aot_script(_AOT_SCRIPT, tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -117,14 +117,10 @@ class FP8Linear(nn.Module):
         assert not missing, f"fp8 layer missing {sorted(missing)}"
         if uses_fp8_kernel(self.weight.device):
             return
-        dense = Linear(self.in_features, self.out_features, self.bias is not None)
+        dtype, bias = self.quant.dtype, self.bias
         with torch.no_grad():
-            dense.weight = nn.Parameter(self.dequantized().to(self.quant.dtype),
-                                        requires_grad=False)
-            if self.bias is not None:
-                dense.bias = nn.Parameter(self.bias.to(self.quant.dtype), requires_grad=False)
-        dense.process_weights_after_loading()
-        self.dense = dense
+            self.dense = Linear.from_weights(self.dequantized().to(dtype),
+                                             None if bias is None else bias.to(dtype))
         del self.weight
 
     def dequantized(self) -> torch.Tensor:

@@ -128,14 +128,10 @@ class Int4Linear(nn.Module):
         assert not missing, f"int4 layer missing {sorted(missing)}"
         if uses_int4_kernel(self.qweight.device):
             return
-        dense = Linear(self.in_features, self.out_features, self.bias is not None)
+        dtype, bias = self.quant.dtype, self.bias
         with torch.no_grad():
-            dense.weight = nn.Parameter(self.dequantized().to(self.quant.dtype),
-                                        requires_grad=False)
-            if self.bias is not None:
-                dense.bias = nn.Parameter(self.bias.to(self.quant.dtype), requires_grad=False)
-        dense.process_weights_after_loading()
-        self.dense = dense
+            self.dense = Linear.from_weights(self.dequantized().to(dtype),
+                                             None if bias is None else bias.to(dtype))
         del self.qweight, self.qzeros, self.scales
 
     def dequantized(self) -> torch.Tensor:

@@ -43,6 +43,17 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout, once loaded
 
+    @classmethod
+    def from_weights(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        """A loaded layer over `weight` [out, in] (+ bias), its kernel chosen: the plain
+        layer a quantized one falls back to where its own kernel does not run."""
+        layer = cls(weight.shape[1], weight.shape[0], bias is not None)
+        layer.weight = nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            layer.bias = nn.Parameter(bias, requires_grad=False)
+        layer.process_weights_after_loading()
+        return layer
+
     def process_weights_after_loading(self) -> None:
         """Choose the kernel for the loaded weight (see the module docstring). Once."""
         assert self.packed is None, "weights processed twice"
